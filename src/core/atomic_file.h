@@ -1,0 +1,14 @@
+// Writing files so that a crash or Ctrl-C never leaves a half-written one behind.
+#pragma once
+#include <string>
+
+namespace hax {
+
+// Writes `bytes` to `path` atomically: a temporary file beside it is written, flushed to disk and
+// renamed over `path`. Throws UsageError naming the path on failure.
+void write_file_atomic(const std::string& path, const std::string& bytes);
+
+// Reads a whole file; throws UsageError naming `what` and the path if it cannot be read.
+std::string read_file(const std::string& path, const std::string& what);
+
+}  // namespace hax
