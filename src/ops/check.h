@@ -1,0 +1,25 @@
+// Tensor argument checks shared by the ops' binding layers. Every failure is a hax::UsageError
+// naming the op, the tensor, what it is and what it must be.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+namespace hax::ops {
+
+// `t` must be defined, have exactly `shape` (`dims` spells it, e.g. "(B, L, H)").
+void check_shape(const char* op, const char* name, const at::Tensor& t, const std::vector<int64_t>& shape,
+                 const char* dims);
+// `t` must have `rank` dimensions (`dims` spells them).
+void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* dims);
+// `t` must have dtype `dtype` and live on the same device as `like`.
+void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like);
+// `t` must be float32 or float64.
+void check_floating(const char* op, const char* name, const at::Tensor& t);
+// Converts an optional seq_idx (B, L) to contiguous int32 and checks that each row is non-decreasing.
+at::Tensor check_seq_idx(const char* op, const at::Tensor& seq_idx, int64_t B, int64_t L);
+
+std::string shape_str(at::IntArrayRef s);
+
+}  // namespace hax::ops

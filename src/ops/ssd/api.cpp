@@ -1,0 +1,140 @@
+// Binding layer of the SSD scan: tensor checks, dispatch to the kernels, autograd.
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "ops/check.h"
+#include "ops/ssd/ssd.h"
+
+namespace hax::ops {
+namespace {
+
+constexpr const char* kOp = "ssd";
+
+struct Dims {
+  int64_t B, L, H, P, G, N;
+};
+
+Dims check_inputs(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& Bm,
+                  const at::Tensor& Cm, const at::Tensor& init, int64_t chunk) {
+  check_rank(kOp, "x", x, 4, "(B, L, H, P)");
+  check_floating(kOp, "x", x);
+  HAX_CHECK(x.device().is_cpu(), "ssd: x is on {}, but this build runs ssd on the CPU only", x.device().str());
+  Dims d{x.size(0), x.size(1), x.size(2), x.size(3), 0, 0};
+  check_rank(kOp, "B", Bm, 4, "(B, L, G, N)");
+  d.G = Bm.size(2);
+  d.N = Bm.size(3);
+  HAX_CHECK(d.G > 0 && d.H % d.G == 0, "ssd: the group count G = {} (B's dim 2) must divide the head count H = {}",
+            d.G, d.H);
+  HAX_CHECK(chunk > 0, "ssd: chunk size {} must be positive", chunk);
+  check_shape(kOp, "dt", dt, {d.B, d.L, d.H}, "(B, L, H)");
+  check_shape(kOp, "A", A, {d.H}, "(H)");
+  check_shape(kOp, "B", Bm, {d.B, d.L, d.G, d.N}, "(B, L, G, N)");
+  check_shape(kOp, "C", Cm, {d.B, d.L, d.G, d.N}, "(B, L, G, N)");
+  for (auto [name, t] : {std::pair{"dt", &dt}, {"A", &A}, {"B", &Bm}, {"C", &Cm}}) check_same(kOp, name, *t, x);
+  if (init.defined()) {
+    check_shape(kOp, "init_state", init, {d.B, d.H, d.P, d.N}, "(B, H, P, N)");
+    check_same(kOp, "init_state", init, x);
+  }
+  return d;
+}
+
+SsdParams make_params(const Dims& d, int64_t chunk, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                      const at::Tensor& Bm, const at::Tensor& Cm, const at::Tensor& init, const at::Tensor& seq) {
+  SsdParams p;
+  p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.headdim = d.P, p.ngroups = d.G, p.dstate = d.N;
+  p.chunk = chunk;
+  p.x = x.data_ptr(), p.dt = dt.data_ptr(), p.A = A.data_ptr(), p.Bm = Bm.data_ptr(), p.Cm = Cm.data_ptr();
+  p.init_state = init.defined() ? init.data_ptr() : nullptr;
+  p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
+  return p;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0, const at::Tensor& dt0,
+                                                           const at::Tensor& A0, const at::Tensor& B0,
+                                                           const at::Tensor& C0, const at::Tensor& init0,
+                                                           const at::Tensor& seq_idx, int64_t chunk) {
+  Dims d = check_inputs(x0, dt0, A0, B0, C0, init0, chunk);
+  at::Tensor x = x0.contiguous(), dt = dt0.contiguous(), A = A0.contiguous(), Bm = B0.contiguous(),
+             Cm = C0.contiguous(), init = init0.defined() ? init0.contiguous() : init0;
+  at::Tensor seq = check_seq_idx(kOp, seq_idx, d.B, d.L);
+  SsdParams p = make_params(d, chunk, x, dt, A, Bm, Cm, init, seq);
+  at::Tensor y = at::empty({d.B, d.L, d.H, d.P}, x.options());
+  at::Tensor fin = at::empty({d.B, d.H, d.P, d.N}, x.options());
+  at::Tensor cst = at::empty({d.B, d.H, p.nchunks(), d.N, d.P}, x.options());
+  p.y = y.data_ptr(), p.final_state = fin.data_ptr(), p.chunk_states = cst.data_ptr();
+  if (d.B * d.L > 0) ssd_forward_cpu(p, x.scalar_type());
+  else fin.zero_();
+  return {y, fin, cst};
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct SsdFunction : public torch::autograd::Function<SsdFunction> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor dt, at::Tensor A, at::Tensor Bm,
+                               at::Tensor Cm, at::Tensor init, at::Tensor seq_idx, int64_t chunk) {
+    // Absent optional tensors arrive as empty tensors (LibTorch's autograd needs defined ones).
+    if (init.numel() == 0) init = at::Tensor();
+    if (seq_idx.numel() == 0) seq_idx = at::Tensor();
+    auto [y, fin, cst] = ssd_forward(x, dt, A, Bm, Cm, init, seq_idx, chunk);
+    at::Tensor seq = check_seq_idx(kOp, seq_idx, x.size(0), x.size(1));
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["has_init"] = init.defined();
+    ctx->saved_data["has_seq"] = seq.defined();
+    ctx->save_for_backward({x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(),
+                            init.defined() ? init.contiguous() : at::zeros({0}, x.options()),
+                            seq.defined() ? seq : at::zeros({0}, x.options().dtype(at::kInt)), cst});
+    return {y, fin};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &dt = s[1], &A = s[2], &Bm = s[3], &Cm = s[4], &cst = s[7];
+    const bool has_init = ctx->saved_data["has_init"].toBool();
+    const bool has_seq = ctx->saved_data["has_seq"].toBool();
+    at::Tensor init = has_init ? s[5] : at::Tensor();
+    at::Tensor seq = has_seq ? s[6] : at::Tensor();
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    Dims d{x.size(0), x.size(1), x.size(2), x.size(3), Bm.size(2), Bm.size(3)};
+    at::Tensor dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(x);
+    at::Tensor dfin = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
+
+    SsdGradParams gp;
+    gp.fwd = make_params(d, chunk, x, dt, A, Bm, Cm, init, seq);
+    gp.fwd.chunk_states = cst.data_ptr();
+    at::Tensor dx = at::empty_like(x), ddt = at::empty_like(dt);
+    at::Tensor dA_part = at::zeros({d.B, d.H}, x.options());
+    at::Tensor dB_head = at::zeros({d.B, d.L, d.H, d.N}, x.options());
+    at::Tensor dC_head = at::zeros({d.B, d.L, d.H, d.N}, x.options());
+    at::Tensor dinit = has_init ? at::empty_like(init) : at::Tensor();
+    gp.dy = dy.data_ptr();
+    gp.dfinal = dfin.defined() ? dfin.data_ptr() : nullptr;
+    gp.dx = dx.data_ptr(), gp.ddt = ddt.data_ptr(), gp.dA_part = dA_part.data_ptr();
+    gp.dB_head = dB_head.data_ptr(), gp.dC_head = dC_head.data_ptr();
+    gp.dinit = has_init ? dinit.data_ptr() : nullptr;
+    if (d.B * d.L > 0) ssd_backward_cpu(gp, x.scalar_type());
+    else if (has_init) dinit.copy_(dfin.defined() ? dfin : at::zeros_like(init));
+    // Sum the per-head B/C gradients over each group's heads, and dA over the batch.
+    const int64_t hpg = d.H / d.G;
+    at::Tensor dB = dB_head.view({d.B, d.L, d.G, hpg, d.N}).sum(3);
+    at::Tensor dC = dC_head.view({d.B, d.L, d.G, hpg, d.N}).sum(3);
+    at::Tensor dA = dA_part.sum(0);
+    return {dx, ddt, dA, dB, dC, dinit, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                                       const at::Tensor& B, const at::Tensor& C, const at::Tensor& init_state,
+                                       const at::Tensor& seq_idx, int64_t chunk) {
+  auto absent = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, x.options()); };
+  auto out = SsdFunction::apply(x, dt, A, B, C, absent(init_state), absent(seq_idx), chunk);
+  return {out[0], out[1]};
+}
+
+}  // namespace hax::ops
