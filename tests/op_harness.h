@@ -133,4 +133,57 @@ inline void expect_gradients_match_finite_differences(const OpCase& c, int direc
   }
 }
 
+// Float32 run of the op against the float64 reference on the same inputs (the float64 inputs
+// rounded to float32): outputs and all input gradients agree within (atol, rtol).
+inline void expect_float32_close_to_reference(const OpCase& c, double atol, double rtol) {
+  Tensors in64 = c.make_inputs(at::kDouble);
+  Tensors in32 = in64;
+  for (size_t i = 0; i < in64.size(); ++i) {
+    const at::Tensor t = in64[i];
+    if (!t.defined() || !at::isFloatingType(t.scalar_type())) continue;
+    const bool grad = t.requires_grad();
+    in32[i] = t.detach().to(at::kFloat).requires_grad_(grad);
+    in64[i] = in32[i].detach().to(at::kDouble).requires_grad_(grad);
+  }
+  Tensors w = random_cotangents(c.reference(clone_leaves(in64)));
+  auto [ref_out, ref_grads] = run_with_grads(c.reference, in64, w);
+  auto [out, grads] = run_with_grads(c.op, in32, w);
+  ASSERT_EQ(out.size(), ref_out.size()) << c.name;
+  for (size_t k = 0; k < out.size(); ++k) {
+    ASSERT_EQ(out[k].sizes(), ref_out[k].sizes()) << c.name << " output " << k;
+    EXPECT_EQ(out[k].scalar_type(), at::kFloat) << c.name << " output " << k;
+    EXPECT_LE(rel_err(out[k], ref_out[k], atol, rtol), 1.0) << c.name << ": float32 output " << k << " differs";
+  }
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!in32[i].defined() || !in32[i].requires_grad()) continue;
+    ASSERT_TRUE(grads[i].defined()) << c.name << ": no gradient for input " << i;
+    EXPECT_LE(rel_err(grads[i], ref_grads[i], atol, rtol), 1.0)
+        << c.name << ": float32 gradient of input " << i << " differs";
+  }
+}
+
+// Random packed sequence numbers (B, L), int32: each row is split into random-length segments,
+// a new one starting at each position t > 0 with probability p.
+inline at::Tensor random_packing(int64_t B, int64_t L, double p = 0.08) {
+  at::Tensor s = at::zeros({B, L}, at::kInt);
+  if (L == 0) return s;
+  at::Tensor starts = (at::rand({B, L}, at::kDouble) < p).to(at::kInt);
+  starts.select(1, 0).zero_();
+  return starts.cumsum(1).to(at::kInt);
+}
+
+// fn must throw hax::UsageError whose message contains `needle`.
+template <class F>
+void expect_usage_error(F&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected a hax::UsageError mentioning \"" << needle << "\"";
+  } catch (const hax::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "the message \"" << e.what() << "\" does not mention \"" << needle << "\"";
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a hax::UsageError mentioning \"" << needle << "\", got another exception: " << e.what();
+  }
+}
+
 }  // namespace hax::testing

@@ -123,7 +123,9 @@ TEST(Ssd, PackingEqualsSeparateSequences) {
     auto [ys, fs] = ssd(x.narrow(1, off, l), dt.narrow(1, off, l), A, Bm.narrow(1, off, l), Cm.narrow(1, off, l),
                         at::Tensor(), at::Tensor(), 16);
     EXPECT_LE(rel_err(y.narrow(1, off, l), ys, 1e-12, 1e-10), 1.0) << "segment at " << off;
-    if (off + l == L) EXPECT_LE(rel_err(f, fs, 1e-12, 1e-10), 1.0);
+    if (off + l == L) {
+      EXPECT_LE(rel_err(f, fs, 1e-12, 1e-10), 1.0);
+    }
     off += l;
   }
 }

@@ -65,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0,
   at::Tensor cst = at::empty({d.B, d.H, p.nchunks(), d.N, d.P}, x.options());
   p.y = y.data_ptr(), p.final_state = fin.data_ptr(), p.chunk_states = cst.data_ptr();
   if (d.B * d.L > 0) ssd_forward_cpu(p, x.scalar_type());
+  else if (init.defined()) fin.copy_(init);  // an empty sequence passes the state through
   else fin.zero_();
   return {y, fin, cst};
 }

@@ -1,0 +1,68 @@
+#include "options.h"
+
+namespace hax::cli {
+
+void add_config_option(CLI::App* app, std::string* path) {
+  app->add_option("--config", *path,
+                  "config file (TOML-style key = value); flags given after it override its values");
+}
+
+void add_threads_option(CLI::App* app, int* threads) {
+  app->add_option("--threads", *threads, "CPU threads (0 = all cores)");
+}
+
+void add_model_options(CLI::App* app, ModelConfig* m) {
+  const char* g = "Model";
+  app->add_option("--mixer", m->mixer, "sequence mixer: mamba (S6) or mamba2 (SSD)")->group(g);
+  app->add_option("--vocab-size", m->vocab_size, "embedding rows (must exceed the task's largest token id)")->group(g);
+  app->add_option("--d-model", m->d_model, "residual stream width")->group(g);
+  app->add_option("--n-layers", m->n_layers, "number of residual blocks")->group(g);
+  app->add_option("--expand", m->expand, "inner width d_inner = expand * d_model")->group(g);
+  app->add_option("--d-state", m->d_state, "SSM state size N (paper: Mamba-2 32, Mamba 16)")->group(g);
+  app->add_option("--d-conv", m->d_conv, "causal conv width")->group(g);
+  app->add_option("--headdim", m->headdim, "Mamba-2 head dim P (heads = d_inner / headdim)")->group(g);
+  app->add_option("--ngroups", m->ngroups, "Mamba-2 B/C groups (must divide the head count)")->group(g);
+  app->add_option("--chunk-size", m->chunk_size, "Mamba-2 SSD chunk length (speed only)")->group(g);
+  app->add_option("--dt-rank", m->dt_rank, "Mamba dt projection rank (0 = ceil(d_model/16))")->group(g);
+  app->add_option("--dt-min", m->dt_min, "smallest initial dt")->group(g);
+  app->add_option("--dt-max", m->dt_max, "largest initial dt")->group(g);
+  app->add_option("--dt-init-floor", m->dt_init_floor, "floor of the initial dt")->group(g);
+  app->add_option("--norm-eps", m->norm_eps, "RMSNorm epsilon")->group(g);
+  app->add_option("--init-std", m->init_std, "std of the embedding initialization")->group(g);
+  app->add_flag("--tie-embeddings,!--no-tie-embeddings", m->tie_embeddings, "LM head shares the embedding")->group(g);
+  app->add_flag("--rescale-prenorm-residual,!--no-rescale-prenorm-residual", m->rescale_prenorm_residual,
+                "scale out_proj init by 1/sqrt(n_layers)")
+      ->group(g);
+}
+
+void add_train_options(CLI::App* app, TrainConfig* t) {
+  const char* g = "Training";
+  app->add_option("--run-dir", t->run_dir, "run directory (config, metrics, checkpoints)")->group(g);
+  app->add_option("--seed", t->seed, "seed of model init, data and splits")->group(g);
+  app->add_option("--threads", t->threads, "CPU threads (0 = all cores)")->group(g);
+  app->add_option("--device", t->device, "cpu, cuda or auto")->group(g);
+  app->add_option("--steps", t->steps, "optimizer steps")->group(g);
+  app->add_option("--batch-size", t->batch_size, "samples per step")->group(g);
+  app->add_option("--lr", t->lr, "peak learning rate")->group(g);
+  app->add_option("--min-lr", t->min_lr, "cosine schedule floor")->group(g);
+  app->add_option("--schedule", t->schedule, "after warmup: constant or cosine")->group(g);
+  app->add_option("--warmup-steps", t->warmup_steps, "linear warmup steps")->group(g);
+  app->add_option("--weight-decay", t->weight_decay, "AdamW weight decay")->group(g);
+  app->add_option("--beta1", t->beta1, "AdamW beta1")->group(g);
+  app->add_option("--beta2", t->beta2, "AdamW beta2")->group(g);
+  app->add_option("--adam-eps", t->adam_eps, "AdamW epsilon")->group(g);
+  app->add_option("--grad-clip", t->grad_clip, "max global gradient norm (0 = off)")->group(g);
+  app->add_flag("--pack,!--no-pack", t->pack, "pack samples into rows (state resets between them)")->group(g);
+  app->add_option("--pack-len", t->pack_len, "packed row length (0 = the task's longest sample)")->group(g);
+  app->add_option("--log-every", t->log_every, "steps between metric lines")->group(g);
+  app->add_option("--eval-every", t->eval_every, "steps between validations")->group(g);
+  app->add_option("--save-every", t->save_every, "steps between checkpoints")->group(g);
+  app->add_option("--n-valid", t->n_valid, "validation samples")->group(g);
+  app->add_option("--n-test", t->n_test, "test samples")->group(g);
+  app->add_option("--eval-batch-size", t->eval_batch_size, "samples per evaluation batch")->group(g);
+  app->add_flag("--resume", t->resume, "continue the run in --run-dir from its last checkpoint")->group(g);
+  app->add_flag("--overwrite", t->overwrite, "start afresh even if --run-dir holds a run")->group(g);
+  app->add_flag("--progress,!--no-progress", t->progress, "show a progress bar")->group(g);
+}
+
+}  // namespace hax::cli

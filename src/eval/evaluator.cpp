@@ -1,0 +1,29 @@
+#include "eval/evaluator.h"
+
+#include "train/loss.h"
+
+namespace hax {
+
+EvalResult evaluate(LanguageModel& model, const std::vector<Sample>& samples, int64_t batch_size, bool pack,
+                    int64_t pack_len) {
+  torch::NoGradGuard ng;
+  const bool was_training = model.is_training();
+  model.eval();
+  EvalResult r;
+  double loss_sum = 0, acc_sum = 0;
+  for (size_t i = 0; i < samples.size(); i += batch_size) {
+    std::vector<Sample> chunk(samples.begin() + i, samples.begin() + std::min(samples.size(), i + batch_size));
+    Batch b = make_batch(chunk, pack, pack_len);
+    LossResult lr = masked_lm_loss(model, b);
+    loss_sum += lr.loss.item<double>() * lr.positions;
+    acc_sum += lr.correct_sum;
+    r.samples += lr.samples;
+    r.positions += lr.positions;
+  }
+  if (r.positions) r.loss = loss_sum / r.positions;
+  if (r.samples) r.accuracy = acc_sum / r.samples;
+  model.train(was_training);
+  return r;
+}
+
+}  // namespace hax

@@ -1,0 +1,76 @@
+#include "layers/mamba.h"
+
+#include <cmath>
+
+#include "ops/conv1d/conv1d.h"
+#include "ops/selective_scan/selective_scan.h"
+
+namespace hax {
+
+MambaMixer::MambaMixer(const ModelConfig& c)
+    : d_model_(c.d_model), d_inner_(c.d_inner()), N_(c.d_state), W_(c.d_conv), R_(c.dt_rank_resolved()) {
+  using torch::nn::Linear;
+  using torch::nn::LinearOptions;
+  in_proj = register_module("in_proj", Linear(LinearOptions(d_model_, 2 * d_inner_).bias(false)));
+  auto conv = param_group(*this, "conv1d");
+  conv_weight = conv->add("weight", at::empty({d_inner_, 1, W_}));
+  conv_bias = conv->add("bias", at::empty({d_inner_}));
+  init_conv(conv_weight, conv_bias, W_);
+  x_proj = register_module("x_proj", Linear(LinearOptions(d_inner_, R_ + 2 * N_).bias(false)));
+  dt_proj = register_module("dt_proj", Linear(LinearOptions(R_, d_inner_).bias(true)));
+  {
+    torch::NoGradGuard ng;
+    const double s = 1.0 / std::sqrt((double)R_);
+    dt_proj->weight.uniform_(-s, s);
+    dt_proj->bias.copy_(init_dt_bias(d_inner_, c.dt_min, c.dt_max, c.dt_init_floor));
+  }
+  // S4D-real initialization: A[d, n] = n + 1.
+  A_log = register_parameter("A_log", at::log(at::arange(1, N_ + 1, at::kFloat)).repeat({d_inner_, 1}));
+  D = register_parameter("D", at::ones({d_inner_}));
+  out_proj = register_module("out_proj", Linear(LinearOptions(d_inner_, d_model_).bias(false)));
+  if (c.rescale_prenorm_residual) {
+    torch::NoGradGuard ng;
+    out_proj->weight.div_(std::sqrt((double)c.n_layers));
+  }
+}
+
+at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) {
+  const int64_t B = x.size(0), L = x.size(1);
+  at::Tensor xz = in_proj->forward(x);
+  at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
+  auto [xc, conv_final] = ops::causal_conv1d(xin, conv_weight.view({d_inner_, W_}), conv_bias,
+                                             state ? state->conv : at::Tensor(), seq_idx, /*silu=*/true);
+  at::Tensor xdbl = x_proj->forward(xc);
+  at::Tensor delta = at::softplus(dt_proj->forward(xdbl.narrow(-1, 0, R_)));
+  at::Tensor Bm = xdbl.narrow(-1, R_, N_).reshape({B, L, 1, N_});
+  at::Tensor Cm = xdbl.narrow(-1, R_ + N_, N_).reshape({B, L, 1, N_});
+  auto [y, ssm_final] =
+      ops::selective_scan(xc, delta, -at::exp(A_log), Bm, Cm, state ? state->ssm : at::Tensor(), seq_idx);
+  y = (y + xc * D) * at::silu(z);
+  if (state) {
+    state->conv = conv_final;
+    state->ssm = ssm_final;
+  }
+  return out_proj->forward(y);
+}
+
+MixerState MambaMixer::zero_state(int64_t batch, const at::TensorOptions& opts) const {
+  return {at::zeros({batch, W_ - 1, d_inner_}, opts), at::zeros({batch, d_inner_, N_}, opts)};
+}
+
+at::Tensor MambaMixer::step(const at::Tensor& x, MixerState& st) {
+  at::Tensor xz = in_proj->forward(x);
+  at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
+  at::Tensor window = at::cat({st.conv, xin.unsqueeze(1)}, 1);  // (B, W, d_inner)
+  at::Tensor xc = at::silu((window * conv_weight.view({d_inner_, W_}).t().unsqueeze(0)).sum(1) + conv_bias);
+  st.conv = window.narrow(1, 1, W_ - 1).contiguous();
+  at::Tensor xdbl = x_proj->forward(xc);
+  at::Tensor delta = at::softplus(dt_proj->forward(xdbl.narrow(-1, 0, R_)));  // (B, d_inner)
+  at::Tensor Bm = xdbl.narrow(-1, R_, N_), Cm = xdbl.narrow(-1, R_ + N_, N_);  // (B, N)
+  at::Tensor decay = at::exp(delta.unsqueeze(-1) * -at::exp(A_log));         // (B, d_inner, N)
+  st.ssm = st.ssm * decay + (delta * xc).unsqueeze(-1) * Bm.unsqueeze(1);
+  at::Tensor y = (st.ssm * Cm.unsqueeze(1)).sum(-1) + xc * D;
+  return out_proj->forward(y * at::silu(z));
+}
+
+}  // namespace hax

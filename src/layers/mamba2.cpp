@@ -1,0 +1,81 @@
+#include "layers/mamba2.h"
+
+#include <cmath>
+
+#include "ops/conv1d/conv1d.h"
+#include "ops/rmsnorm/rmsnorm.h"
+#include "ops/ssd/ssd.h"
+
+namespace hax {
+
+Mamba2Mixer::Mamba2Mixer(const ModelConfig& c)
+    : d_model_(c.d_model), d_inner_(c.d_inner()), H_(c.nheads()), P_(c.headdim), G_(c.ngroups), N_(c.d_state),
+      W_(c.d_conv), chunk_(c.chunk_size), eps_(c.norm_eps) {
+  const int64_t d_in_proj = 2 * d_inner_ + 2 * G_ * N_ + H_;
+  in_proj = register_module("in_proj", torch::nn::Linear(torch::nn::LinearOptions(d_model_, d_in_proj).bias(false)));
+  auto conv = param_group(*this, "conv1d");
+  conv_weight = conv->add("weight", at::empty({conv_dim(), 1, W_}));
+  conv_bias = conv->add("bias", at::empty({conv_dim()}));
+  init_conv(conv_weight, conv_bias, W_);
+  dt_bias = register_parameter("dt_bias", init_dt_bias(H_, c.dt_min, c.dt_max, c.dt_init_floor));
+  // A ~ U(1, 16) per head, stored as log.
+  A_log = register_parameter("A_log", at::log(at::rand({H_}) * 15.0 + 1.0));
+  D = register_parameter("D", at::ones({H_}));
+  norm_weight = param_group(*this, "norm")->add("weight", at::ones({d_inner_}));
+  out_proj = register_module("out_proj", torch::nn::Linear(torch::nn::LinearOptions(d_inner_, d_model_).bias(false)));
+  if (c.rescale_prenorm_residual) {
+    torch::NoGradGuard ng;
+    out_proj->weight.div_(std::sqrt((double)c.n_layers));
+  }
+}
+
+Mamba2Mixer::Projected Mamba2Mixer::project(const at::Tensor& x) {
+  at::Tensor zxbcdt = in_proj->forward(x);
+  const int64_t cd = conv_dim();
+  return {zxbcdt.narrow(-1, 0, d_inner_), zxbcdt.narrow(-1, d_inner_, cd), zxbcdt.narrow(-1, d_inner_ + cd, H_)};
+}
+
+at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) {
+  const int64_t B = x.size(0), L = x.size(1);
+  Projected pr = project(x);
+  at::Tensor conv_init = state ? state->conv : at::Tensor();
+  auto [xBC, conv_final] =
+      ops::causal_conv1d(pr.xBC, conv_weight.view({conv_dim(), W_}), conv_bias, conv_init, seq_idx, /*silu=*/true);
+  at::Tensor xs = xBC.narrow(-1, 0, d_inner_).view({B, L, H_, P_});
+  at::Tensor Bm = xBC.narrow(-1, d_inner_, G_ * N_).view({B, L, G_, N_});
+  at::Tensor Cm = xBC.narrow(-1, d_inner_ + G_ * N_, G_ * N_).view({B, L, G_, N_});
+  at::Tensor dt = at::softplus(pr.dt + dt_bias);
+  at::Tensor A = -at::exp(A_log);
+  auto [y, ssm_final] = ops::ssd(xs, dt, A, Bm, Cm, state ? state->ssm : at::Tensor(), seq_idx, chunk_);
+  y = y + xs * D.view({1, 1, H_, 1});
+  y = ops::rmsnorm(y.reshape({B, L, d_inner_}), pr.z, norm_weight, eps_, d_inner_ / G_);
+  if (state) {
+    state->conv = conv_final;
+    state->ssm = ssm_final;
+  }
+  return out_proj->forward(y);
+}
+
+MixerState Mamba2Mixer::zero_state(int64_t batch, const at::TensorOptions& opts) const {
+  return {at::zeros({batch, W_ - 1, conv_dim()}, opts), at::zeros({batch, H_, P_, N_}, opts)};
+}
+
+at::Tensor Mamba2Mixer::step(const at::Tensor& x, MixerState& st) {
+  const int64_t B = x.size(0);
+  Projected pr = project(x);  // (B, ·)
+  // Causal conv over the window [last W-1 inputs, this input].
+  at::Tensor window = at::cat({st.conv, pr.xBC.unsqueeze(1)}, 1);  // (B, W, C)
+  at::Tensor xBC = at::silu((window * conv_weight.view({conv_dim(), W_}).t().unsqueeze(0)).sum(1) + conv_bias);
+  st.conv = window.narrow(1, 1, W_ - 1).contiguous();
+  at::Tensor xs = xBC.narrow(-1, 0, d_inner_).view({B, H_, P_});
+  at::Tensor Bm = xBC.narrow(-1, d_inner_, G_ * N_).view({B, G_, 1, N_}).repeat_interleave(H_ / G_, 1);
+  at::Tensor Cm = xBC.narrow(-1, d_inner_ + G_ * N_, G_ * N_).view({B, G_, 1, N_}).repeat_interleave(H_ / G_, 1);
+  at::Tensor dt = at::softplus(pr.dt + dt_bias);  // (B, H)
+  at::Tensor decay = at::exp(dt * -at::exp(A_log)).view({B, H_, 1, 1});
+  st.ssm = st.ssm * decay + (dt.unsqueeze(-1) * xs).unsqueeze(-1) * Bm;  // (B, H, P, N)
+  at::Tensor y = (st.ssm * Cm).sum(-1) + xs * D.view({1, H_, 1});       // (B, H, P)
+  y = ops::rmsnorm(y.reshape({B, d_inner_}), pr.z, norm_weight, eps_, d_inner_ / G_);
+  return out_proj->forward(y);
+}
+
+}  // namespace hax

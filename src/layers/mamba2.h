@@ -1,0 +1,34 @@
+// Mamba-2 mixer (SSD): in_proj -> [z, xBC, dt]; causal conv + SiLU on xBC; chunked SSD with
+// per-head scalar A = -exp(A_log) and dt = softplus(dt_raw + dt_bias); D skip; gated RMSNorm
+// RMSNorm(y * silu(z)); out_proj. Parameter names follow mamba_ssm.
+#pragma once
+#include "layers/mixer.h"
+#include "models/model_config.h"
+
+namespace hax {
+
+class Mamba2Mixer : public Mixer {
+ public:
+  explicit Mamba2Mixer(const ModelConfig& cfg);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) override;
+  at::Tensor step(const at::Tensor& x, MixerState& state) override;
+  MixerState zero_state(int64_t batch, const at::TensorOptions& opts) const override;
+
+  // Pieces shared with the hybrid mixers built on top of this one.
+  struct Projected {
+    at::Tensor z, xBC, dt;  // (B, L, d_inner), (B, L, conv_dim), (B, L, H)
+  };
+  Projected project(const at::Tensor& x);
+  int64_t conv_dim() const { return d_inner_ + 2 * G_ * N_; }
+
+  torch::nn::Linear in_proj{nullptr}, out_proj{nullptr};
+  at::Tensor conv_weight, conv_bias;  // (conv_dim, 1, W), (conv_dim)
+  at::Tensor dt_bias, A_log, D;       // (H) each
+  at::Tensor norm_weight;             // (d_inner)
+
+ protected:
+  int64_t d_model_, d_inner_, H_, P_, G_, N_, W_, chunk_;
+  double eps_;
+};
+
+}  // namespace hax

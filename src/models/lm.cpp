@@ -1,0 +1,76 @@
+#include "models/lm.h"
+
+#include "layers/mamba.h"
+#include "layers/mamba2.h"
+#include "ops/rmsnorm/rmsnorm.h"
+
+namespace hax {
+
+std::shared_ptr<Mixer> make_mixer(const ModelConfig& cfg) {
+  if (cfg.mixer == "mamba") return std::make_shared<MambaMixer>(cfg);
+  return std::make_shared<Mamba2Mixer>(cfg);
+}
+
+Block::Block(const ModelConfig& cfg, std::shared_ptr<Mixer> m) : eps_(cfg.norm_eps) {
+  mixer = register_module("mixer", std::move(m));
+  norm_weight = param_group(*this, "norm")->add("weight", at::ones({cfg.d_model}));
+}
+
+at::Tensor Block::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) {
+  return x + mixer->forward(ops::rmsnorm(x, at::Tensor(), norm_weight, eps_, 0), seq_idx, state);
+}
+
+at::Tensor Block::step(const at::Tensor& x, MixerState& state) {
+  return x + mixer->step(ops::rmsnorm(x, at::Tensor(), norm_weight, eps_, 0), state);
+}
+
+LanguageModel::LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {
+  cfg_.validate();
+  auto backbone = register_module("backbone", std::make_shared<torch::nn::Module>());
+  embedding = backbone->register_module("embedding", torch::nn::Embedding(cfg.vocab_size, cfg.d_model));
+  {
+    torch::NoGradGuard ng;
+    embedding->weight.normal_(0.0, cfg.init_std);
+  }
+  auto list = backbone->register_module("layers", std::make_shared<torch::nn::Module>());
+  for (int64_t i = 0; i < cfg.n_layers; ++i)
+    layers.push_back(list->register_module(std::to_string(i), std::make_shared<Block>(cfg, make_mixer(cfg))));
+  norm_f = param_group(*backbone, "norm_f")->add("weight", at::ones({cfg.d_model}));
+  if (!cfg.tie_embeddings)
+    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(cfg.d_model, cfg.vocab_size).bias(false)));
+}
+
+at::Tensor LanguageModel::hidden(const at::Tensor& ids, const at::Tensor& seq_idx, std::vector<MixerState>* states) {
+  at::Tensor x = embedding->forward(ids);
+  for (size_t i = 0; i < layers.size(); ++i) x = layers[i]->forward(x, seq_idx, states ? &(*states)[i] : nullptr);
+  return ops::rmsnorm(x, at::Tensor(), norm_f, cfg_.norm_eps, 0);
+}
+
+at::Tensor LanguageModel::logits(const at::Tensor& h) {
+  return cfg_.tie_embeddings ? at::matmul(h, embedding->weight.t()) : lm_head->forward(h);
+}
+
+at::Tensor LanguageModel::forward(const at::Tensor& ids, const at::Tensor& seq_idx) {
+  return logits(hidden(ids, seq_idx));
+}
+
+std::vector<MixerState> LanguageModel::zero_states(int64_t batch) {
+  std::vector<MixerState> s;
+  auto opts = embedding->weight.options().requires_grad(false);
+  for (auto& l : layers) s.push_back(l->mixer->zero_state(batch, opts));
+  return s;
+}
+
+at::Tensor LanguageModel::step(const at::Tensor& ids, std::vector<MixerState>& states) {
+  at::Tensor x = embedding->forward(ids);  // (B, d)
+  for (size_t i = 0; i < layers.size(); ++i) x = layers[i]->step(x, states[i]);
+  return logits(ops::rmsnorm(x, at::Tensor(), norm_f, cfg_.norm_eps, 0));
+}
+
+std::map<std::string, at::Tensor> LanguageModel::state_tensors() {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : named_parameters()) out[p.key()] = p.value();
+  return out;
+}
+
+}  // namespace hax

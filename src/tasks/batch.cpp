@@ -1,0 +1,106 @@
+#include "tasks/batch.h"
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace hax {
+
+namespace {
+
+// Input positions a sample contributes.
+int64_t positions(const Sample& s) { return std::max<int64_t>((int64_t)s.tokens.size() - 1, 0); }
+
+// Fills a batch whose row r holds samples rows[r] in order.
+Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int32_t>>& rows,
+           int32_t pad_id, bool packed) {
+  const int64_t B = (int64_t)rows.size();
+  int64_t T = 0;
+  for (const auto& row : rows) {
+    int64_t len = 0;
+    for (int32_t i : row) len += positions(samples[i]);
+    T = std::max(T, len);
+  }
+  Batch b;
+  b.num_samples = (int64_t)samples.size();
+  b.inputs = at::full({B, T}, pad_id, at::kLong);
+  b.targets = at::full({B, T}, pad_id, at::kLong);
+  b.loss_mask = at::zeros({B, T}, at::kFloat);
+  b.sample_id = at::full({B, T}, -1, at::kInt);
+  if (packed) b.seq_idx = at::empty({B, T}, at::kInt);
+  int64_t* in = b.inputs.data_ptr<int64_t>();
+  int64_t* tg = b.targets.data_ptr<int64_t>();
+  float* lm = b.loss_mask.data_ptr<float>();
+  int32_t* sid = b.sample_id.data_ptr<int32_t>();
+  int32_t* seg = packed ? b.seq_idx.data_ptr<int32_t>() : nullptr;
+  for (int64_t r = 0; r < B; ++r) {
+    int64_t t = r * T;
+    int32_t segment = 0;
+    for (int32_t i : rows[r]) {
+      const Sample& s = samples[i];
+      HAX_CHECK(s.mask.size() == s.tokens.size(), "sample {} has {} tokens but {} mask entries", i,
+                s.tokens.size(), s.mask.size());
+      const int64_t n = positions(s);
+      if (n == 0) continue;  // a one-token sample contributes nothing, not even a segment
+      for (int64_t p = 0; p < n; ++p, ++t) {
+        in[t] = s.tokens[p];
+        tg[t] = s.tokens[p + 1];
+        lm[t] = s.mask[p + 1] ? 1.f : 0.f;
+        sid[t] = i;
+        if (seg) seg[t] = segment;
+      }
+      ++segment;
+    }
+    if (seg) std::fill(seg + t, seg + (r + 1) * T, segment);
+    b.num_tokens += t - r * T;
+  }
+  return b;
+}
+
+}  // namespace
+
+Batch make_batch(const std::vector<Sample>& samples, int32_t pad_id) {
+  std::vector<std::vector<int32_t>> rows(samples.size());
+  for (size_t i = 0; i < samples.size(); ++i) rows[i] = {(int32_t)i};
+  return fill(samples, rows, pad_id, false);
+}
+
+Batch make_packed_batch(const std::vector<Sample>& samples, int64_t pack_len, int32_t pad_id) {
+  HAX_CHECK(pack_len >= 1, "--pack-len {} must be >= 1", pack_len);
+  std::vector<std::vector<int32_t>> rows;
+  std::vector<int64_t> room;  // free positions per row
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const int64_t n = positions(samples[i]);
+    if (n == 0) continue;  // nothing to place
+    size_t r = 0;
+    while (r < rows.size() && room[r] < n) ++r;
+    if (r == rows.size()) {
+      rows.emplace_back();
+      room.push_back(pack_len);
+    }
+    rows[r].push_back((int32_t)i);
+    room[r] -= n;  // negative for an oversized sample: its row takes nothing more
+  }
+  return fill(samples, rows, pad_id, true);
+}
+
+Batch make_batch(const std::vector<Sample>& samples, bool pack, int64_t pack_len, int32_t pad_id) {
+  return pack ? make_packed_batch(samples, pack_len, pad_id) : make_batch(samples, pad_id);
+}
+
+at::Tensor per_sample_accuracy(const Batch& batch, const at::Tensor& correct) {
+  HAX_CHECK(correct.sizes() == batch.targets.sizes(),
+            "correct has shape {} but the batch's targets have shape {}",
+            fmt::join(correct.sizes(), "x"), fmt::join(batch.targets.sizes(), "x"));
+  const at::Tensor sel = batch.loss_mask.flatten() > 0;
+  const at::Tensor ids = batch.sample_id.flatten().masked_select(sel).to(at::kLong);
+  const at::Tensor hits = correct.to(at::kCPU).to(at::kDouble).flatten().masked_select(sel);
+  const at::Tensor sums = at::zeros({batch.num_samples}, at::kDouble).index_add_(0, ids, hits);
+  const at::Tensor counts =
+      at::zeros({batch.num_samples}, at::kDouble).index_add_(0, ids, at::ones_like(hits));
+  return sums / counts;
+}
+
+}  // namespace hax

@@ -1,0 +1,43 @@
+// Turns samples into the tensors of one training or evaluation step.
+//
+// A sample of T tokens contributes T-1 positions: inputs = tokens[0..T-2], targets =
+// tokens[1..T-1], loss_mask = mask[1..T-1]. Rows are right-padded to the longest row with the pad
+// id (inputs and targets), loss_mask 0 and sample_id -1 there. All tensors are on the CPU.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "tasks/task.h"
+
+namespace hax {
+
+struct Batch {
+  at::Tensor inputs;     // (B, T) int64 input tokens
+  at::Tensor targets;    // (B, T) int64 next tokens
+  at::Tensor loss_mask;  // (B, T) float 1 at supervised targets, else 0
+  at::Tensor seq_idx;    // (B, T) int32 segment of each position within its row, numbered from 0;
+                         // padding is one more segment after the last sample. Undefined unless packed.
+  at::Tensor sample_id;  // (B, T) int32 index of the input sample of each position, -1 at padding
+  int64_t num_samples = 0;  // number of input samples
+  int64_t num_tokens = 0;   // non-padding input positions
+};
+
+// One sample per row, in the given order.
+Batch make_batch(const std::vector<Sample>& samples, int32_t pad_id = 3);
+
+// Samples packed into rows of at most `pack_len` input positions: first-fit in the given order (each
+// sample goes to the first row with room, else a new row); a sample longer than `pack_len` gets a
+// row of its own. Each sample's positions are contiguous within its row.
+Batch make_packed_batch(const std::vector<Sample>& samples, int64_t pack_len, int32_t pad_id = 3);
+
+// make_packed_batch(samples, pack_len, pad_id) when `pack`, else make_batch(samples, pad_id).
+Batch make_batch(const std::vector<Sample>& samples, bool pack, int64_t pack_len, int32_t pad_id = 3);
+
+// Per-sample accuracy: the mean of `correct` ((B, T) bool or float, e.g. argmax == targets) over
+// each sample's supervised positions. Returns (num_samples) float64 on the CPU; NaN for a sample
+// with no supervised position.
+at::Tensor per_sample_accuracy(const Batch& batch, const at::Tensor& correct);
+
+}  // namespace hax

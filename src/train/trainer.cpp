@@ -1,0 +1,203 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "core/atomic_file.h"
+#include "core/error.h"
+#include "core/progress.h"
+#include "core/signals.h"
+#include "eval/evaluator.h"
+#include "models/lm.h"
+#include "tasks/batch.h"
+#include "tasks/registry.h"
+#include "tasks/splits.h"
+#include "train/adamw.h"
+#include "train/checkpoint.h"
+#include "train/loss.h"
+#include "train/metrics.h"
+#include "train/schedule.h"
+
+namespace hax {
+namespace fs = std::filesystem;
+
+std::string last_checkpoint_path(const std::string& run_dir) { return run_dir + "/checkpoints/last.safetensors"; }
+std::string best_checkpoint_path(const std::string& run_dir) { return run_dir + "/checkpoints/best.safetensors"; }
+
+namespace {
+
+// Training metrics averaged over a logging window; saved in checkpoints so that a resumed run
+// logs exactly what an uninterrupted one would.
+struct Window {
+  double loss = 0, acc = 0, grad_norm = 0;
+  int64_t steps = 0, tokens = 0;
+  nlohmann::json to_json() const {
+    return {{"loss", loss}, {"acc", acc}, {"grad_norm", grad_norm}, {"steps", steps}, {"tokens", tokens}};
+  }
+  static Window from_json(const nlohmann::json& j) {
+    Window w;
+    w.loss = j.at("loss"), w.acc = j.at("acc"), w.grad_norm = j.at("grad_norm"), w.steps = j.at("steps");
+    w.tokens = j.at("tokens");
+    return w;
+  }
+};
+
+// Test hook: HAX_INJECT_NAN_AT_STEP=k makes step k's loss NaN (to exercise the NaN guard).
+int64_t injected_nan_step() {
+  const char* s = std::getenv("HAX_INJECT_NAN_AT_STEP");
+  return s ? std::atoll(s) : -1;
+}
+
+}  // namespace
+
+TrainSummary train(const RunConfig& run) {
+  const TrainConfig& tc = run.train;
+  run.model.validate();
+  tc.validate();
+  auto task = make_task(run.task);
+  HAX_CHECK(run.model.vocab_size >= task->min_vocab(),
+            "--vocab-size {} is too small for task {}, whose token ids reach {}: it must be at least {}",
+            run.model.vocab_size, task->name(), task->min_vocab() - 1, task->min_vocab());
+  HAX_CHECK(tc.device != "cuda", "--device cuda: this build of hax runs on the CPU only (no CUDA kernels built)");
+  const int64_t pack_len = tc.pack_len > 0 ? tc.pack_len : task->max_length() - 1;
+
+  const std::string last_path = last_checkpoint_path(tc.run_dir), best_path = best_checkpoint_path(tc.run_dir);
+  const bool has_run = fs::exists(last_path);
+  if (tc.resume) {
+    HAX_CHECK(has_run, "--resume: run directory {} has no checkpoint {} to continue from", tc.run_dir, last_path);
+  } else if (has_run && !tc.overwrite) {
+    fail("--run-dir {} already holds a run ({}); pass --resume to continue it or --overwrite to start afresh",
+         tc.run_dir, last_path);
+  }
+  fs::create_directories(tc.run_dir + "/checkpoints");
+
+  torch::manual_seed(tc.seed);
+  LanguageModel model(run.model);
+  model.train();
+  auto params = model.state_tensors();
+  AdamW opt(params, {tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay});
+
+  CheckpointMeta meta{0, -1, -1, run.model, run.task, tc, run.config_text};
+  Window window;
+  if (tc.resume) {
+    Checkpoint ck = read_checkpoint(last_path);
+    HAX_CHECK(ck.has_optimizer, "--resume: checkpoint {} has no optimizer state", last_path);
+    load_weights(model, ck, last_path);
+    opt.load_state(ck.file.tensors, ck.meta.step, "checkpoint " + last_path);
+    meta.step = ck.meta.step, meta.best_valid_acc = ck.meta.best_valid_acc, meta.best_step = ck.meta.best_step;
+    if (ck.file.metadata.count("log_window")) window = Window::from_json(nlohmann::json::parse(ck.file.metadata.at("log_window")));
+  }
+  write_file_atomic(tc.run_dir + "/config.toml", run.config_text);
+  MetricsLog metrics(tc.run_dir + "/metrics.jsonl", tc.resume ? meta.step : -1);
+
+  EvalSplits splits = make_eval_splits(*task, tc.seed, tc.n_valid, tc.n_test);
+  TrainStream stream(*task, tc.seed, splits);
+
+  auto save_last = [&] {
+    save_checkpoint(last_path, model, &opt, meta, {{"log_window", window.to_json().dump()}});
+  };
+
+  install_interrupt_handler();
+  const int64_t nan_step = injected_nan_step();
+  Progress bar(tc.steps, meta.step, tc.progress, tc.log_every);
+  const auto t_start = std::chrono::steady_clock::now();
+  auto t_window = t_start;
+  TrainSummary summary;
+  summary.run_dir = tc.run_dir;
+  double last_loss = 0, last_acc = 0, tps = 0;
+
+  for (int64_t step = meta.step; step < tc.steps; ++step) {
+    std::vector<Sample> samples;
+    for (int64_t i = 0; i < tc.batch_size; ++i) samples.push_back(stream.at(step * tc.batch_size + i));
+    Batch batch = make_batch(samples, tc.pack, pack_len);
+    const double lr = learning_rate(step, tc.steps, tc.lr, tc.min_lr, tc.warmup_steps, tc.schedule);
+    LossResult r = masked_lm_loss(model, batch);
+    if (step == nan_step) r.loss = r.loss * std::nan("");
+    const double loss = r.loss.item<double>();
+    opt.zero_grad();
+    double gnorm = 0;
+    if (std::isfinite(loss)) {
+      r.loss.backward();
+      gnorm = clip_grad_norm(params, tc.grad_clip);
+    }
+    if (!std::isfinite(loss) || !std::isfinite(gnorm)) {
+      bar.finish();
+      metrics.write({{"event", "error"}, {"step", step + 1}, {"loss", std::isfinite(loss) ? loss : -1.0},
+                     {"message", "non-finite loss or gradient"}});
+      std::string kept = fs::exists(last_path)
+                             ? fmt::format("the last good checkpoint {} (step {}) is kept", last_path, meta.step)
+                             : "no checkpoint had been written yet";
+      throw NonFiniteLoss(fmt::format("step {}: the {} is {}; training stopped and {}. Try a lower --lr or --grad-clip.",
+                                      step + 1, std::isfinite(loss) ? "gradient norm" : "loss",
+                                      std::isfinite(loss) ? gnorm : loss, kept));
+    }
+    opt.step(lr);
+    meta.step = step + 1;
+    last_loss = loss;
+    last_acc = r.samples ? r.correct_sum / r.samples : 0;
+    window.loss += loss, window.acc += last_acc, window.grad_norm += gnorm, window.steps += 1;
+    window.tokens += batch.num_tokens;
+
+    if (meta.step % tc.log_every == 0 || meta.step == tc.steps) {
+      const auto now = std::chrono::steady_clock::now();
+      const double dt = std::chrono::duration<double>(now - t_window).count();
+      tps = dt > 0 ? window.tokens / dt : 0;
+      metrics.write({{"event", "train"}, {"step", meta.step}, {"loss", window.loss / window.steps},
+                     {"acc", window.acc / window.steps}, {"grad_norm", window.grad_norm / window.steps},
+                     {"lr", lr}, {"tokens", window.tokens}, {"tokens_per_s", tps}});
+      window = Window{};
+      t_window = now;
+    }
+    bar.update(meta.step, last_loss, last_acc, tps);
+
+    const bool final_step = meta.step == tc.steps;
+    if (meta.step % tc.eval_every == 0 || final_step) {
+      EvalResult v = evaluate(model, splits.valid, tc.eval_batch_size, tc.pack, pack_len);
+      const bool better = v.accuracy > meta.best_valid_acc;
+      if (better) {
+        meta.best_valid_acc = v.accuracy;
+        meta.best_step = meta.step;
+        save_checkpoint(best_path, model, nullptr, meta);
+      }
+      metrics.write({{"event", "valid"}, {"step", meta.step}, {"loss", v.loss}, {"acc", v.accuracy},
+                     {"best_acc", meta.best_valid_acc}, {"best_step", meta.best_step}});
+      bar.message(fmt::format("step {}: validation loss {:.4f}, accuracy {:.2f}%{}", meta.step, v.loss,
+                              100 * v.accuracy, better ? " (best so far)" : ""));
+      save_last();
+    } else if (meta.step % tc.save_every == 0) {
+      save_last();
+    }
+    if (interrupted()) {
+      save_last();
+      bar.finish();
+      metrics.write({{"event", "interrupted"}, {"step", meta.step}});
+      summary.interrupted = true;
+      break;
+    }
+  }
+  bar.finish();
+  summary.steps_done = meta.step;
+  summary.best_valid_acc = meta.best_valid_acc;
+  summary.best_step = meta.best_step;
+  summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (summary.interrupted) return summary;
+
+  // Final test accuracy of the best-validation model.
+  if (fs::exists(best_path)) load_weights(model, read_checkpoint(best_path), best_path);
+  EvalResult t = evaluate(model, splits.test, tc.eval_batch_size, tc.pack, pack_len);
+  summary.test_acc = t.accuracy;
+  summary.test_loss = t.loss;
+  metrics.write({{"event", "test"}, {"step", meta.step}, {"loss", t.loss}, {"acc", t.accuracy},
+                 {"best_step", meta.best_step}});
+  nlohmann::json s = {{"steps", summary.steps_done},       {"best_valid_acc", summary.best_valid_acc},
+                      {"best_step", summary.best_step},    {"test_acc", summary.test_acc},
+                      {"test_loss", summary.test_loss},    {"n_test", t.samples},
+                      {"train_seconds_this_session", summary.seconds}};
+  write_file_atomic(tc.run_dir + "/summary.json", s.dump(2) + "\n");
+  return summary;
+}
+
+}  // namespace hax
