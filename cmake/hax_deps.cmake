@@ -21,6 +21,10 @@ message(STATUS "hax: Torch ${Torch_VERSION} at ${Torch_DIR}")
 # LibTorch's exported flags (e.g. -D_GLIBCXX_USE_CXX11_ABI) must reach every target.
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")
 
+# at::parallel_for is a header template whose OpenMP pragmas compile into hax itself: without
+# -fopenmp every hax kernel would silently run on one thread.
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+
 find_package(fmt REQUIRED)
 find_package(nlohmann_json 3.9 REQUIRED)
 find_package(CLI11 CONFIG QUIET)

@@ -58,7 +58,7 @@ std::vector<std::string> config_to_args(const std::string& text, const std::stri
     const CLI::Option* opt = sub.get_option_no_throw("--" + key);
     HAX_CHECK(opt != nullptr && key != "config", "config file {} line {}: unknown key `{}` (not an option of hax {})",
               source, lineno, key, sub.get_name());
-    if (opt->get_type_size() == 0) {  // a boolean flag --x / --no-x
+    if (opt->get_items_expected() == 0) {  // a boolean flag --x / --no-x
       HAX_CHECK(value == "true" || value == "false", "config file {} line {}: `{}` must be true or false, got {}", source,
                 lineno, key, value);
       args.push_back(value == "true" ? "--" + key : "--no-" + key);

@@ -6,7 +6,7 @@ namespace hax {
 // Number of hardware threads of this machine (at least 1).
 int hardware_threads();
 
-// Sets LibTorch's intra-op thread count (and OpenBLAS's where it is loaded). n <= 0 means all
+// Sets LibTorch's intra-op thread count (OpenBLAS, where loaded, gets one: see threads.cpp). n <= 0 means all
 // hardware threads.
 void set_threads(int n);
 

@@ -96,8 +96,10 @@ TrainSummary train(const RunConfig& run) {
   EvalSplits splits = make_eval_splits(*task, tc.seed, tc.n_valid, tc.n_test);
   TrainStream stream(*task, tc.seed, splits);
 
+  int64_t last_saved_step = tc.resume ? meta.step : -1;
   auto save_last = [&] {
     save_checkpoint(last_path, model, &opt, meta, {{"log_window", window.to_json().dump()}});
+    last_saved_step = meta.step;
   };
 
   install_interrupt_handler();
@@ -127,8 +129,8 @@ TrainSummary train(const RunConfig& run) {
       bar.finish();
       metrics.write({{"event", "error"}, {"step", step + 1}, {"loss", std::isfinite(loss) ? loss : -1.0},
                      {"message", "non-finite loss or gradient"}});
-      std::string kept = fs::exists(last_path)
-                             ? fmt::format("the last good checkpoint {} (step {}) is kept", last_path, meta.step)
+      std::string kept = last_saved_step >= 0
+                             ? fmt::format("the last good checkpoint {} (step {}) is kept", last_path, last_saved_step)
                              : "no checkpoint had been written yet";
       throw NonFiniteLoss(fmt::format("step {}: the {} is {}; training stopped and {}. Try a lower --lr or --grad-clip.",
                                       step + 1, std::isfinite(loss) ? "gradient norm" : "loss",
