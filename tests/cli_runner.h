@@ -2,18 +2,22 @@
 #pragma once
 #include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
+#include <ftw.h>
+#include <cstdio>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+extern char** environ;
 
 namespace hax::testing {
 
@@ -29,54 +33,67 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+// Removes a directory tree. (Not std::filesystem::remove_all: the Python torch package's
+// libtorch.so exports its own broken copy of it, which the dynamic linker may pick, and crashes.)
+inline void remove_tree(const std::string& path) {
+  nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+       FTW_DEPTH | FTW_PHYS);
+}
+
 // A fresh empty temporary directory.
 inline std::string temp_dir(const std::string& tag) {
-  std::string tmpl = (std::filesystem::temp_directory_path() / ("hax-test-" + tag + "-XXXXXX")).string();
+  const char* tmp = std::getenv("TMPDIR");
+  std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/hax-test-" + tag + "-XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   return mkdtemp(buf.data());
 }
 
 // Runs `hax args...` with extra environment `env` ("K=V"). If `while_running` is given it is
-// called repeatedly with the child's pid until the child exits (to send signals).
+// called repeatedly with the child's pid until the child exits (to send signals). The child is
+// started with posix_spawn, which runs no code of this (multi-threaded) process in the child.
 inline CliResult run_hax(const std::vector<std::string>& args, const std::vector<std::string>& env = {},
                          const std::function<bool(pid_t)>& while_running = nullptr) {
   std::string dir = temp_dir("cli");
   std::string out_path = dir + "/out", err_path = dir + "/err";
-  pid_t pid = fork();
-  if (pid == 0) {
-    int o = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    int e = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(o, 1), dup2(e, 2);
-    for (auto& kv : env) putenv(strdup(kv.c_str()));
-    std::vector<char*> argv;
-    argv.push_back(strdup(HAX_CLI_PATH));
-    for (auto& a : args) argv.push_back(strdup(a.c_str()));
-    argv.push_back(nullptr);
-    execv(HAX_CLI_PATH, argv.data());
-    _exit(127);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<std::string> argv_s = {HAX_CLI_PATH};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e) env_s.push_back(*e);
+  env_s.insert(env_s.end(), env.begin(), env.end());
+  std::vector<char*> argv, envp;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env_s) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t pid = -1;
+  int rc = posix_spawn(&pid, HAX_CLI_PATH, &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  CliResult r;
+  if (rc != 0) {
+    r.err = "posix_spawn failed";
+    return r;
   }
   int st = 0;
   if (while_running) {
-    bool done = false;
-    while (!done) {
-      pid_t r = waitpid(pid, &st, WNOHANG);
-      if (r == pid) break;
+    while (waitpid(pid, &st, WNOHANG) != pid) {
       if (!while_running(pid)) {
         waitpid(pid, &st, 0);
-        done = true;
-      } else {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        break;
       }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   } else {
     waitpid(pid, &st, 0);
   }
-  CliResult r;
   r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
   r.out = slurp(out_path);
   r.err = slurp(err_path);
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
   return r;
 }
 

@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "cli_runner.h"
@@ -12,7 +11,6 @@ using hax::testing::CliResult;
 using hax::testing::run_hax;
 using hax::testing::slurp;
 using hax::testing::temp_dir;
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -73,7 +71,7 @@ TEST(Cli, BadInputExitsWithStatus2AndOneClearLine) {
   expect_usage_error({"data", "--task", "nope"}, "--task 'nope' is not a task");
   expect_usage_error({"data", "--nc-min", "0"}, "--nc-min");
   expect_usage_error({"train", "--resume", "--run-dir", dir + "/none"}, "no config.toml");
-  fs::remove_all(dir);
+  hax::testing::remove_tree(dir);
 }
 
 TEST(Cli, CtrlCWritesACheckpointAndResumeReproducesTheRun) {
@@ -85,7 +83,7 @@ TEST(Cli, CtrlCWritesACheckpointAndResumeReproducesTheRun) {
   // Interrupt a second, identical run once it has logged a few steps.
   bool sent = false;
   CliResult b = run_hax(tiny(cut, 60), {}, [&](pid_t pid) {
-    if (!sent && read_metrics(cut, "train").size() >= 2 && fs::exists(cut + "/metrics.jsonl")) {
+    if (!sent && read_metrics(cut, "train").size() >= 2 && hax::path_exists(cut + "/metrics.jsonl")) {
       kill(pid, SIGINT);
       sent = true;
     }
@@ -94,7 +92,7 @@ TEST(Cli, CtrlCWritesACheckpointAndResumeReproducesTheRun) {
   ASSERT_TRUE(sent) << "the run ended before it could be interrupted";
   EXPECT_EQ(b.status, 130) << b.err;
   EXPECT_NE(b.out.find("--resume"), std::string::npos) << b.out;
-  ASSERT_TRUE(fs::exists(cut + "/checkpoints/last.safetensors"));
+  ASSERT_TRUE(hax::path_exists(cut + "/checkpoints/last.safetensors"));
   EXPECT_LT(read_metrics(cut, "train").size(), read_metrics(full, "train").size());
 
   // Without --resume the run directory is protected.
@@ -108,7 +106,7 @@ TEST(Cli, CtrlCWritesACheckpointAndResumeReproducesTheRun) {
   EXPECT_EQ(read_metrics(cut, "valid"), read_metrics(full, "valid"));
   EXPECT_EQ(read_metrics(cut, "test"), read_metrics(full, "test"));
   EXPECT_EQ(slurp(cut + "/checkpoints/best.safetensors").size(), slurp(full + "/checkpoints/best.safetensors").size());
-  fs::remove_all(dir);
+  hax::testing::remove_tree(dir);
 }
 
 TEST(Cli, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
@@ -120,7 +118,7 @@ TEST(Cli, NonFiniteLossStopsAndKeepsTheLastGoodCheckpoint) {
   CliResult e = run_hax({"eval", "--checkpoint", dir + "/run/checkpoints/last.safetensors"});
   EXPECT_EQ(e.status, 0) << e.err;
   EXPECT_NE(e.out.find("(step 40)"), std::string::npos) << e.out;
-  fs::remove_all(dir);
+  hax::testing::remove_tree(dir);
 }
 
 TEST(Cli, TrainThenEvalAgreeOnTestAccuracy) {
@@ -137,7 +135,7 @@ TEST(Cli, TrainThenEvalAgreeOnTestAccuracy) {
   CliResult i = run_hax({"info", "--config", dir + "/run/config.toml"});
   ASSERT_EQ(i.status, 0) << i.err;
   EXPECT_NE(i.out.find("d_model = 16"), std::string::npos) << i.out;
-  fs::remove_all(dir);
+  hax::testing::remove_tree(dir);
 }
 
 TEST(Cli, DataWritesInspectableJsonLines) {

@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 
 #include <cmath>
-#include <filesystem>
 
 #include "cli_runner.h"
 #include "core/atomic_file.h"
@@ -92,7 +91,7 @@ TEST(Checkpoint, RoundTripKeepsWeightsOptimizerAndConfigs) {
   AdamW opt2(b.state_tensors(), {});
   opt2.load_state(ck.file.tensors, ck.meta.step, "c");
   for (auto& [n, t] : opt.state_tensors()) EXPECT_TRUE(at::equal(t, opt2.state_tensors()[n])) << n;
-  std::filesystem::remove_all(dir);
+  hax::testing::remove_tree(dir);
 }
 
 TEST(Checkpoint, BadFilesAreClearErrors) {
@@ -126,7 +125,7 @@ TEST(Checkpoint, BadFilesAreClearErrors) {
   wider.d_model = 32;
   LanguageModel w(wider);
   expect_error([&] { load_weights(w, ck, "ok"); }, "backbone.embedding.weight has shape [100, 16] but the configured model needs [100, 32]");
-  std::filesystem::remove_all(dir);
+  hax::testing::remove_tree(dir);
 }
 
 TEST(Safetensors, HeaderFollowsTheFormat) {

@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -60,7 +59,7 @@ std::vector<std::string> expand_configs(const CLI::App& app, const std::vector<C
     if (run_dir.empty()) run_dir = find_value(base, "--run-dir");
     if (run_dir.empty()) run_dir = hax::TrainConfig().run_dir;
     const std::string saved = run_dir + "/config.toml";
-    HAX_CHECK(std::filesystem::exists(saved), "--resume: run directory {} has no config.toml to continue from", run_dir);
+    HAX_CHECK(hax::path_exists(saved), "--resume: run directory {} has no config.toml to continue from", run_dir);
     base = config_to_args(hax::read_file(saved, "run config"), saved, *cmd->app);
   }
   std::vector<std::string> out(args.begin(), args.begin() + pos + 1);

@@ -5,7 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
+#include <sys/stat.h>
 #include <fstream>
 #include <sstream>
 
@@ -14,9 +14,8 @@
 namespace hax {
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
-  namespace fs = std::filesystem;
-  fs::path target(path);
-  if (target.has_parent_path()) fs::create_directories(target.parent_path());
+  const size_t slash = path.find_last_of('/');
+  if (slash != std::string::npos && slash > 0) make_dirs(path.substr(0, slash));
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   HAX_CHECK(fd >= 0, "cannot write {}: {}", tmp, std::strerror(errno));
@@ -41,6 +40,19 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
     ::unlink(tmp.c_str());
     fail("cannot rename {} to {}: {}", tmp, path, std::strerror(e));
   }
+}
+
+bool path_exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+void make_dirs(const std::string& path) {
+  if (path.empty() || path_exists(path)) return;
+  const size_t slash = path.find_last_of('/');
+  if (slash != std::string::npos && slash > 0) make_dirs(path.substr(0, slash));
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST)
+    fail("cannot create directory {}: {}", path, std::strerror(errno));
 }
 
 std::string read_file(const std::string& path, const std::string& what) {

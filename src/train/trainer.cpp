@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 
 #include "core/atomic_file.h"
@@ -22,7 +21,6 @@
 #include "train/schedule.h"
 
 namespace hax {
-namespace fs = std::filesystem;
 
 std::string last_checkpoint_path(const std::string& run_dir) { return run_dir + "/checkpoints/last.safetensors"; }
 std::string best_checkpoint_path(const std::string& run_dir) { return run_dir + "/checkpoints/best.safetensors"; }
@@ -65,14 +63,14 @@ TrainSummary train(const RunConfig& run) {
   const int64_t pack_len = tc.pack_len > 0 ? tc.pack_len : task->max_length() - 1;
 
   const std::string last_path = last_checkpoint_path(tc.run_dir), best_path = best_checkpoint_path(tc.run_dir);
-  const bool has_run = fs::exists(last_path);
+  const bool has_run = path_exists(last_path);
   if (tc.resume) {
     HAX_CHECK(has_run, "--resume: run directory {} has no checkpoint {} to continue from", tc.run_dir, last_path);
   } else if (has_run && !tc.overwrite) {
     fail("--run-dir {} already holds a run ({}); pass --resume to continue it or --overwrite to start afresh",
          tc.run_dir, last_path);
   }
-  fs::create_directories(tc.run_dir + "/checkpoints");
+  make_dirs(tc.run_dir + "/checkpoints");
 
   torch::manual_seed(tc.seed);
   LanguageModel model(run.model);
@@ -188,7 +186,7 @@ TrainSummary train(const RunConfig& run) {
   if (summary.interrupted) return summary;
 
   // Final test accuracy of the best-validation model.
-  if (fs::exists(best_path)) load_weights(model, read_checkpoint(best_path), best_path);
+  if (path_exists(best_path)) load_weights(model, read_checkpoint(best_path), best_path);
   EvalResult t = evaluate(model, splits.test, tc.eval_batch_size, tc.pack, pack_len);
   summary.test_acc = t.accuracy;
   summary.test_loss = t.loss;
