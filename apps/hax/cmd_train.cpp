@@ -33,6 +33,9 @@ Command add_train_command(CLI::App& app) {
     TrainConfig train;
     std::string config;
   };
+  sub->footer(
+      "Without --config, hax train starts from the embedded default config (configs/default.toml), which\n"
+      "overrides some of the defaults shown above; `hax info` prints the resolved configuration.");
   auto st = std::make_shared<State>();
   add_config_option(sub, &st->config);
   add_model_options(sub, &st->model);
