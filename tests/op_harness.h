@@ -186,4 +186,22 @@ void expect_usage_error(F&& fn, const std::string& needle) {
   }
 }
 
+// The op gives bit-identical outputs and gradients on 1 and on 2 threads (`dtype` inputs).
+inline void expect_deterministic_across_threads(const OpCase& c, at::ScalarType dtype = at::kFloat) {
+  Tensors in = c.make_inputs(dtype);
+  Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  const int before = at::get_num_threads();
+  at::set_num_threads(1);
+  auto [o1, g1] = run_with_grads(c.op, in, w);
+  at::set_num_threads(2);
+  auto [o2, g2] = run_with_grads(c.op, in, w);
+  at::set_num_threads(before);
+  for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << c.name << ": output " << k;
+  for (size_t i = 0; i < g1.size(); ++i) {
+    if (g1[i].defined()) {
+      EXPECT_TRUE(at::equal(g1[i], g2[i])) << c.name << ": gradient " << i;
+    }
+  }
+}
+
 }  // namespace hax::testing

@@ -143,21 +143,7 @@ TEST(Conv1d, FinalStateCarriesNoGradient) {
 
 TEST(Conv1d, DeterministicAcrossThreadCounts) {
   torch::manual_seed(17);
-  OpCase c = conv_case({4, 200, 150, 4, true, true, true, true});
-  Tensors in = c.make_inputs(at::kFloat);
-  Tensors w = random_cotangents(c.op(clone_leaves(in)));
-  const int before = at::get_num_threads();
-  at::set_num_threads(1);
-  auto [o1, g1] = run_with_grads(c.op, in, w);
-  at::set_num_threads(2);
-  auto [o2, g2] = run_with_grads(c.op, in, w);
-  at::set_num_threads(before);
-  for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
-  for (size_t i = 0; i < g1.size(); ++i) {
-    if (g1[i].defined()) {
-      EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
-    }
-  }
+  expect_deterministic_across_threads(conv_case({4, 200, 150, 4, true, true, true, true}));
 }
 
 TEST(Conv1d, BadInputsNameTheTensor) {

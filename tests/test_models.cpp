@@ -147,12 +147,7 @@ TEST(Model, ParameterNamesAndCountsFollowMambaSsm) {
 
 TEST(Model, InvalidConfigsNameTheOption) {
   auto expect_error = [](ModelConfig c, const std::string& needle) {
-    try {
-      c.validate();
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const hax::UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    hax::testing::expect_usage_error([&] { c.validate(); }, needle);
   };
   ModelConfig c;
   c.headdim = 24;

@@ -79,21 +79,7 @@ TEST(RmsNorm, NonContiguousInputs) {
 
 TEST(RmsNorm, DeterministicAcrossThreadCounts) {
   torch::manual_seed(26);
-  OpCase c = norm_case({4000, 64}, true, 16);
-  Tensors in = c.make_inputs(at::kFloat);
-  Tensors w = random_cotangents(c.op(clone_leaves(in)));
-  const int before = at::get_num_threads();
-  at::set_num_threads(1);
-  auto [o1, g1] = run_with_grads(c.op, in, w);
-  at::set_num_threads(2);
-  auto [o2, g2] = run_with_grads(c.op, in, w);
-  at::set_num_threads(before);
-  EXPECT_TRUE(at::equal(o1[0], o2[0]));
-  for (size_t i = 0; i < g1.size(); ++i) {
-    if (g1[i].defined()) {
-      EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
-    }
-  }
+  expect_deterministic_across_threads(norm_case({4000, 64}, true, 16));
 }
 
 TEST(RmsNorm, EmptyRows) {

@@ -141,20 +141,7 @@ TEST(SelectiveScan, PackingEqualsSeparateSequences) {
 
 TEST(SelectiveScan, DeterministicAcrossThreadCounts) {
   torch::manual_seed(7);
-  OpCase c = scan_case({3, 150, 70, 2, 8, 32, true, true});
-  Tensors in = c.make_inputs(at::kFloat);
-  Tensors w = random_cotangents(c.op(clone_leaves(in)));
-  const int before = at::get_num_threads();
-  at::set_num_threads(1);
-  auto [o1, g1] = run_with_grads(c.op, in, w);
-  at::set_num_threads(2);
-  auto [o2, g2] = run_with_grads(c.op, in, w);
-  at::set_num_threads(before);
-  for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
-  for (size_t i = 0; i < g1.size(); ++i)
-    if (g1[i].defined()) {
-      EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
-    }
+  expect_deterministic_across_threads(scan_case({3, 150, 70, 2, 8, 32, true, true}));
 }
 
 TEST(SelectiveScan, EmptySequenceKeepsTheState) {

@@ -130,22 +130,19 @@ TEST(Ssd, PackingEqualsSeparateSequences) {
   }
 }
 
+TEST(Ssd, DeterministicAcrossThreadCounts) {
+  torch::manual_seed(7);
+  expect_deterministic_across_threads(ssd_case({3, 150, 4, 16, 2, 8, 32, true, true}));
+}
+
 TEST(Ssd, BadInputsNameTheTensor) {
   auto o = at::TensorOptions().dtype(at::kFloat);
   at::Tensor x = at::randn({1, 5, 4, 8}, o), dt = at::rand({1, 5, 4}, o), A = -at::rand({4}, o);
   at::Tensor Bm = at::randn({1, 5, 1, 3}, o), Cm = at::randn({1, 5, 1, 3}, o);
-  auto expect_error = [](auto fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error; expected one mentioning " << needle;
-    } catch (const hax::UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
-  expect_error([&] { ssd(x, dt.narrow(1, 0, 4), A, Bm, Cm, {}, {}, 4); }, "dt has shape [1, 4, 4]");
-  expect_error([&] { ssd(x, dt, A, at::randn({1, 5, 3, 3}, o), Cm, {}, {}, 4); }, "must divide the head count");
-  expect_error([&] { ssd(x, dt, A, Bm, Cm, {}, {}, 0); }, "chunk size 0");
-  expect_error([&] { ssd(x, dt, A.to(at::kDouble), Bm, Cm, {}, {}, 4); }, "A has dtype Double");
+  expect_usage_error([&] { ssd(x, dt.narrow(1, 0, 4), A, Bm, Cm, {}, {}, 4); }, "dt has shape [1, 4, 4]");
+  expect_usage_error([&] { ssd(x, dt, A, at::randn({1, 5, 3, 3}, o), Cm, {}, {}, 4); }, "must divide the head count");
+  expect_usage_error([&] { ssd(x, dt, A, Bm, Cm, {}, {}, 0); }, "chunk size 0");
+  expect_usage_error([&] { ssd(x, dt, A.to(at::kDouble), Bm, Cm, {}, {}, 4); }, "A has dtype Double");
   at::Tensor bad_seq = at::tensor({0, 1, 0, 1, 1}, at::kInt).view({1, 5});
-  expect_error([&] { ssd(x, dt, A, Bm, Cm, {}, bad_seq, 4); }, "non-decreasing");
+  expect_usage_error([&] { ssd(x, dt, A, Bm, Cm, {}, bad_seq, 4); }, "non-decreasing");
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "cli_runner.h"
+#include "op_harness.h"
 #include "core/atomic_file.h"
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -97,12 +98,7 @@ TEST(Checkpoint, RoundTripKeepsWeightsOptimizerAndConfigs) {
 TEST(Checkpoint, BadFilesAreClearErrors) {
   const std::string dir = hax::testing::temp_dir("ckpt-bad");
   auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error, expected: " << needle;
-    } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+    hax::testing::expect_usage_error(fn, needle);
   };
   expect_error([&] { read_checkpoint(dir + "/missing.safetensors"); }, "cannot open");
   write_file_atomic(dir + "/junk.safetensors", "this is not a checkpoint at all");

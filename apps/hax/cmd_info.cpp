@@ -10,30 +10,16 @@
 
 namespace hax::cli {
 
-std::string resolved_config(const CLI::App& sub, const ModelConfig& m, const TaskConfig& t, const TrainConfig& tr);
-
 Command add_info_command(CLI::App& app) {
   auto* sub = app.add_subcommand("info", "print the resolved config and the model's parameter counts");
-  struct State {
-    ModelConfig model;
-    TaskConfig task;
-    TrainConfig train;
-    std::string config;
-  };
-  auto st = std::make_shared<State>();
-  add_config_option(sub, &st->config);
-  add_model_options(sub, &st->model);
-  add_task_options(sub, &st->task);
-  add_train_options(sub, &st->train);
+  auto st = add_run_options(sub);
   Command c;
   c.app = sub;
   c.embedded_default = true;
   c.run = [sub, st]() {
-    st->model.validate();
-    st->task.validate();
-    st->train.validate();
+    st->validate();
     auto task = make_task(st->task);
-    fmt::print("{}", resolved_config(*sub, st->model, st->task, st->train));
+    fmt::print("{}", resolved_config(*sub, *st));
     torch::manual_seed(st->train.seed);
     LanguageModel model(st->model);
     // Parameter counts per component: embedding, each layer's mixer parts, norms.

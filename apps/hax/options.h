@@ -18,4 +18,19 @@ void add_threads_option(CLI::App* app, int* threads);
 // Registers --config (handled before parsing, see main.cpp).
 void add_config_option(CLI::App* app, std::string* path);
 
+// Everything a training run is configured by, as `hax train` and `hax info` take it.
+struct RunOptions {
+  ModelConfig model;
+  TaskConfig task;
+  TrainConfig train;
+  std::string config;  // --config path (already applied by main.cpp)
+  void validate() const;
+};
+// Adds --config and the model, task and training options to `app`.
+std::shared_ptr<RunOptions> add_run_options(CLI::App* app);
+
+// The resolved configuration as a config file (sections [model], [task], [train]) that --config
+// reads back; comments come from the options' descriptions in `app`.
+std::string resolved_config(const CLI::App& app, const RunOptions& run);
+
 }  // namespace hax::cli
