@@ -57,6 +57,20 @@ void resolve_taps(const Conv1dParams& p, int64_t b, int64_t t, int32_t seq_t, T*
   }
 }
 
+// acc[c] = bias[c0 + c] + Σ_k w[c0 + c, k] * tap_k[c0 + c] for the cb channels of a block, with the
+// block's weights transposed in wT (W, kBlock).
+template <class T>
+void pre_activation(const Taps<T>& taps, const T* wT, const T* bias, int64_t W, int64_t c0, int64_t cb, T* acc) {
+  for (int64_t c = 0; c < cb; ++c) acc[c] = bias ? bias[c0 + c] : T(0);
+  for (int64_t k = 0; k < W; ++k) {
+    const T* src = taps.src[k];
+    if (!src) continue;
+    src += c0;
+    const T* w = &wT[k * kBlock];
+    for (int64_t c = 0; c < cb; ++c) acc[c] += w[c] * src[c];
+  }
+}
+
 template <class T>
 T sigmoid(T v) {
   return T(1) / (T(1) + std::exp(-v));
@@ -78,14 +92,7 @@ void forward_impl(const Conv1dParams& p) {
         for (int64_t k = 0; k < W; ++k) wT[k * kBlock + c] = weight[(c0 + c) * W + k];
       for (int64_t t = 0; t < L; ++t) {
         resolve_taps<T>(p, b, t, p.seq_idx ? p.seq_idx[b * L + t] : 0, nullptr, nullptr, taps);
-        for (int64_t c = 0; c < cb; ++c) acc[c] = bias ? bias[c0 + c] : T(0);
-        for (int64_t k = 0; k < W; ++k) {
-          const T* src = taps.src[k];
-          if (!src) continue;
-          src += c0;
-          const T* w = &wT[k * kBlock];
-          for (int64_t c = 0; c < cb; ++c) acc[c] += w[c] * src[c];
-        }
+        pre_activation<T>(taps, wT.data(), bias, W, c0, cb, acc);
         T* o = (T*)p.out + (b * L + t) * C + c0;
         if (p.silu)
           for (int64_t c = 0; c < cb; ++c) o[c] = acc[c] * sigmoid(acc[c]);
@@ -128,14 +135,7 @@ void backward_impl(const Conv1dGradParams& gp) {
         const T* dout = (const T*)gp.dout + (b * L + t) * C + c0;
         if (p.silu) {
           // Recompute the pre-activation; dpre = dout silu'(pre), silu' = σ (1 + pre (1 - σ)).
-          for (int64_t c = 0; c < cb; ++c) acc[c] = bias ? bias[c0 + c] : T(0);
-          for (int64_t k = 0; k < W; ++k) {
-            const T* src = taps.src[k];
-            if (!src) continue;
-            src += c0;
-            const T* w = &wT[k * kBlock];
-            for (int64_t c = 0; c < cb; ++c) acc[c] += w[c] * src[c];
-          }
+          pre_activation<T>(taps, wT.data(), bias, W, c0, cb, acc);
           for (int64_t c = 0; c < cb; ++c) {
             const T sg = sigmoid(acc[c]);
             dpre[c] = dout[c] * sg * (T(1) + acc[c] * (T(1) - sg));
