@@ -22,11 +22,11 @@ Row time_mixer(const std::string& name, Mixer& mixer, int64_t B, int64_t L, int6
   Row r{name, L, {}, {}};
   r.fwd = time_it([&] {
     torch::NoGradGuard ng;
-    mixer.forward(x, at::Tensor(), nullptr);
+    mixer.forward(x, at::Tensor(), nullptr, nullptr);
   }, 1, cfg.repeats, cfg.budget_s);
   at::Tensor xg = x.clone().requires_grad_();
   r.fwdbwd = time_it([&] {
-    at::Tensor y = mixer.forward(xg, at::Tensor(), nullptr);
+    at::Tensor y = mixer.forward(xg, at::Tensor(), nullptr, nullptr);
     y.sum().backward();
     mixer.zero_grad();
     xg.mutable_grad() = at::Tensor();
@@ -44,8 +44,8 @@ nlohmann::json run_ssm_bench(const SsmBenchConfig& cfg) {
   ModelConfig m1 = m2;
   m1.mixer = "mamba", m1.d_state = cfg.d_state_mamba;
   torch::manual_seed(0);
-  Mamba2Mixer mamba2(m2);
-  MambaMixer mamba(m1);
+  Mamba2Mixer mamba2(m2, 0);
+  MambaMixer mamba(m1, 0);
   const int64_t B = cfg.batch, H = m2.nheads(), P = m2.headdim, N = m2.d_state;
 
   std::vector<Row> rows;

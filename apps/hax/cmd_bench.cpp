@@ -1,6 +1,10 @@
 // hax bench: performance measurements (JSON plus a readable table).
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <sstream>
+
+#include "bench/attention_bench.h"
 #include "bench/ssm_bench.h"
 #include "commands.h"
 #include "config_file.h"
@@ -33,9 +37,51 @@ Command add_bench_command(CLI::App& app) {
   ssm->add_option("--json", st->json, "JSON output file");
   ssm->add_option("--device", st->device, "cpu");
   add_threads_option(ssm, &st->threads);
+  auto* attn = sub->add_subcommand("attention",
+                                   "every sparse pattern (pattern building included) beside full causal attention: "
+                                   "forward, forward+backward and peak memory");
+  struct AttnState {
+    bench::AttentionBenchConfig cfg;
+    std::string patterns = "sw,d,sw+d,a,lsh,ks,hax,full", lengths = "1k,4k,16k,64k", dims = "32,64";
+    std::string json = "bench-attention.json", device = "cpu";
+    int threads = 0;
+  };
+  auto at_st = std::make_shared<AttnState>();
+  attn->add_option("--patterns", at_st->patterns, "comma-separated patterns");
+  attn->add_option("--lengths", at_st->lengths, "sequence lengths, e.g. 1k,4k,16k,64k");
+  attn->add_option("--dims", at_st->dims, "head dims");
+  attn->add_option("--keys", at_st->cfg.keys, "k: keys per query");
+  attn->add_option("--heads", at_st->cfg.heads, "heads");
+  attn->add_option("--repeats", at_st->cfg.repeats, "timed runs per measurement");
+  attn->add_option("--json", at_st->json, "JSON output file");
+  attn->add_option("--device", at_st->device, "cpu");
+  add_threads_option(attn, &at_st->threads);
   Command c;
   c.app = sub;
-  c.run = [st]() {
+  c.run = [st, at_st, attn]() {
+    if (attn->parsed()) {
+      HAX_CHECK(at_st->device == "cpu", "--device {}: this build of hax benchmarks the CPU only", at_st->device);
+      auto& cfg = at_st->cfg;
+      cfg.lengths = parse_size_list(at_st->lengths, "--lengths");
+      cfg.dims = parse_size_list(at_st->dims, "--dims");
+      cfg.patterns.clear();
+      std::stringstream ss(at_st->patterns);
+      std::string p;
+      const std::vector<std::string> known = {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "full"};
+      while (std::getline(ss, p, ',')) {
+        HAX_CHECK(std::find(known.begin(), known.end(), p) != known.end(),
+                  "--patterns: `{}` is unknown; choose among sw, d, sw+d, a, lsh, ks, hax, full", p);
+        cfg.patterns.push_back(p);
+      }
+      HAX_CHECK(cfg.keys > 0, "--keys {} must be positive", cfg.keys);
+      HAX_CHECK(cfg.heads > 0, "--heads {} must be positive", cfg.heads);
+      HAX_CHECK(cfg.repeats > 0, "--repeats {} must be positive", cfg.repeats);
+      set_threads(at_st->threads);
+      nlohmann::json report = bench::run_attention_bench(cfg);
+      write_file_atomic(at_st->json, report.dump(2) + "\n");
+      fmt::print("wrote {}\n", at_st->json);
+      return kExitOk;
+    }
     HAX_CHECK(st->device == "cpu", "--device {}: this build of hax benchmarks the CPU only", st->device);
     st->cfg.lengths = parse_size_list(st->lengths, "--lengths");
     HAX_CHECK(st->cfg.batch > 0, "--batch {} must be positive", st->cfg.batch);

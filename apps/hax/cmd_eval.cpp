@@ -51,7 +51,7 @@ Command add_eval_command(CLI::App& app) {
     std::vector<Sample>& set = st->split == "valid" ? splits.valid : splits.test;
     if (st->n > 0 && st->n < (int64_t)set.size()) set.resize(st->n);
     const int64_t pack_len = tc.pack_len > 0 ? tc.pack_len : task->max_length() - 1;
-    EvalResult r = evaluate(model, set, st->batch_size, tc.pack, pack_len);
+    EvalResult r = evaluate(model, set, st->batch_size, tc.pack, pack_len, eval_seed(tc.seed));
     fmt::print("checkpoint {} (step {}): {} accuracy {:.2f}% (loss {:.4f}) on {} samples of task {}\n", st->checkpoint,
                ck.meta.step, st->split, 100 * r.accuracy, r.loss, r.samples, task->name());
     if (!st->json.empty()) {

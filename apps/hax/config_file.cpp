@@ -77,29 +77,6 @@ std::vector<std::string> config_to_args(const std::string& text, const std::stri
   return args;
 }
 
-std::string config_text(const std::vector<std::pair<std::string, nlohmann::json>>& sections, const CLI::App& sub) {
-  std::string out;
-  for (const auto& [section, obj] : sections) {
-    out += "[" + section + "]\n";
-    for (auto it = obj.begin(); it != obj.end(); ++it) {
-      const CLI::Option* opt = sub.get_option_no_throw("--" + dashed(it.key()));
-      if (opt && !opt->get_description().empty()) out += "# " + opt->get_description() + "\n";
-      const auto& v = it.value();
-      std::string val;
-      if (v.is_array()) {
-        val = "[";
-        for (size_t i = 0; i < v.size(); ++i) val += (i ? ", " : "") + v[i].dump();
-        val += "]";
-      } else {
-        val = v.dump();
-      }
-      out += it.key() + " = " + val + "\n";
-    }
-    out += "\n";
-  }
-  return out;
-}
-
 std::vector<int64_t> parse_size_list(const std::string& s, const std::string& flag) {
   std::vector<int64_t> out;
   std::istringstream in(s);

@@ -15,10 +15,6 @@ namespace hax::cli {
 // `sub`. Unknown keys and malformed lines are UsageErrors naming the file and line.
 std::vector<std::string> config_to_args(const std::string& text, const std::string& source, const CLI::App& sub);
 
-// A config file text from sections of JSON objects ({"model": {...}, "task": {...}, ...}),
-// each key commented with its option's description in `sub`.
-std::string config_text(const std::vector<std::pair<std::string, nlohmann::json>>& sections, const CLI::App& sub);
-
 // Splits "1k,4k,16384" style lists; suffix k = 1024, m = 1024^2. Errors name `flag`.
 std::vector<int64_t> parse_size_list(const std::string& s, const std::string& flag);
 

@@ -33,6 +33,22 @@ void add_model_options(CLI::App* app, ModelConfig* m) {
   app->add_flag("--rescale-prenorm-residual,!--no-rescale-prenorm-residual", m->rescale_prenorm_residual,
                 "scale out_proj init by 1/sqrt(n_layers)")
       ->group(g);
+  const char* s = "Sparse attention";
+  app->add_option("--sparse", m->sparse, "sparse attention branch: none, sw, d, sw+d, a, lsh, ks, hax or full")->group(s);
+  app->add_option("--sparse-keys", m->sparse_keys, "k: keys per query (split evenly across a union's parts)")->group(s);
+  app->add_option("--attn-heads", m->attn_heads, "heads of the sparse branch")->group(s);
+  app->add_option("--qk-dim", m->qk_dim, "query/key width per head (0 = d_state)")->group(s);
+  app->add_option("--qk-init", m->qk_init, "random, or bc: Q and K start as the SSM's C and B")->group(s);
+  app->add_option("--lsh-bits", m->lsh_bits, "LSH hyperplanes h")->group(s);
+  app->add_option("--lsh-binning", m->lsh_binning, "LSH buckets: sign (2^h) or argmax (h)")->group(s);
+  app->add_option("--dilated-span", m->dilated_span, "dilated stride = dilated_span / keys per part")->group(s);
+  app->add_option("--ks-hidden", m->ks_hidden, "Key Selection scorer width (0 = 2 qk_dim)")->group(s);
+  app->add_option("--ks-candidates", m->ks_candidates, "keys sampled per row for the ranking loss (0 = k part)")->group(s);
+  const char* sa = "Samba";
+  app->add_option("--swa-window", m->swa_window, "Samba attention window")->group(sa);
+  app->add_option("--swa-heads", m->swa_heads, "Samba attention heads")->group(sa);
+  app->add_option("--mlp-ratio", m->mlp_ratio, "Samba SwiGLU width ratio")->group(sa);
+  app->add_option("--rope-theta", m->rope_theta, "Samba RoPE base")->group(sa);
 }
 
 void add_train_options(CLI::App* app, TrainConfig* t) {
@@ -52,6 +68,7 @@ void add_train_options(CLI::App* app, TrainConfig* t) {
   app->add_option("--beta2", t->beta2, "AdamW beta2")->group(g);
   app->add_option("--adam-eps", t->adam_eps, "AdamW epsilon")->group(g);
   app->add_option("--grad-clip", t->grad_clip, "max global gradient norm (0 = off)")->group(g);
+  app->add_option("--ranking-alpha", t->ranking_alpha, "weight of the Key Selection ranking losses")->group(g);
   app->add_flag("--pack,!--no-pack", t->pack, "pack samples into rows (state resets between them)")->group(g);
   app->add_option("--pack-len", t->pack_len, "packed row length (0 = the task's longest sample)")->group(g);
   app->add_option("--log-every", t->log_every, "steps between metric lines")->group(g);

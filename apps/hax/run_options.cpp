@@ -1,21 +1,7 @@
-#include "config_file.h"
+#include "train/run_config_text.h"
 #include "options.h"
 
 namespace hax::cli {
-namespace {
-
-// The task section under its option names (--task, --mqar-vocab).
-nlohmann::json task_options_json(const TaskConfig& t) {
-  nlohmann::json j = task_config_to_json(t), out = nlohmann::json::object();
-  out["task"] = j["name"];
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it.key() == "name") continue;
-    out[it.key() == "vocab_size" ? "mqar_vocab" : it.key()] = it.value();
-  }
-  return out;
-}
-
-}  // namespace
 
 void RunOptions::validate() const {
   model.validate();
@@ -33,10 +19,13 @@ std::shared_ptr<RunOptions> add_run_options(CLI::App* app) {
 }
 
 std::string resolved_config(const CLI::App& app, const RunOptions& run) {
-  return "# hax resolved configuration (read back with --config)\n\n" +
-         config_text({{"model", run.model.to_json()}, {"task", task_options_json(run.task)},
-                      {"train", run.train.to_json()}},
-                     app);
+  return run_config_text(run.model, run.task, run.train, [&app](const std::string& key) {
+    std::string flag = "--" + key;
+    for (auto& ch : flag)
+      if (ch == '_') ch = '-';
+    const CLI::Option* opt = app.get_option_no_throw(flag);
+    return opt ? opt->get_description() : std::string();
+  });
 }
 
 }  // namespace hax::cli

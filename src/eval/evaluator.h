@@ -14,8 +14,13 @@ struct EvalResult {
   int64_t positions = 0;
 };
 
-// Evaluates in batches of `batch_size` samples (packed into rows when `pack`), without gradients.
+// Evaluates in batches of `batch_size` samples (packed into rows when `pack`), without gradients,
+// with the randomness of the model (LSH hashing) fixed by `seed`.
 EvalResult evaluate(LanguageModel& model, const std::vector<Sample>& samples, int64_t batch_size, bool pack,
-                    int64_t pack_len);
+                    int64_t pack_len, uint64_t seed);
+
+// The evaluation seed of a run with training seed `train_seed` (the trainer's validation and
+// test, and hax eval, all use it, so they hash alike).
+uint64_t eval_seed(uint64_t train_seed);
 
 }  // namespace hax

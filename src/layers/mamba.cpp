@@ -7,7 +7,7 @@
 
 namespace hax {
 
-MambaMixer::MambaMixer(const ModelConfig& c)
+MambaMixer::MambaMixer(const ModelConfig& c, int64_t layer)
     : d_model_(c.d_model), d_inner_(c.d_inner()), N_(c.d_state), W_(c.d_conv), R_(c.dt_rank_resolved()) {
   using torch::nn::Linear;
   using torch::nn::LinearOptions;
@@ -32,9 +32,19 @@ MambaMixer::MambaMixer(const ModelConfig& c)
     torch::NoGradGuard ng;
     out_proj->weight.div_(std::sqrt((double)c.n_layers));
   }
+  if (c.has_sparse()) {
+    sparse = register_module("sparse", std::make_shared<SparseAttentionBranch>(c, d_inner_, d_inner_, layer));
+    if (c.qk_init == "bc") {
+      // Q and K start as the SSM's C and B: the x_proj rows that produce them ([K; Q] rows).
+      torch::NoGradGuard ng;
+      sparse->qk_proj->weight.narrow(0, 0, N_).copy_(x_proj->weight.narrow(0, R_, N_));
+      sparse->qk_proj->weight.narrow(0, N_, N_).copy_(x_proj->weight.narrow(0, R_ + N_, N_));
+    }
+  }
 }
 
-at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) {
+at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state,
+                               ForwardContext* ctx) {
   const int64_t B = x.size(0), L = x.size(1);
   at::Tensor xz = in_proj->forward(x);
   at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
@@ -46,7 +56,9 @@ at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, M
   at::Tensor Cm = xdbl.narrow(-1, R_ + N_, N_).reshape({B, L, 1, N_});
   auto [y, ssm_final] =
       ops::selective_scan(xc, delta, -at::exp(A_log), Bm, Cm, state ? state->ssm : at::Tensor(), seq_idx);
-  y = (y + xc * D) * at::silu(z);
+  y = y + xc * D;
+  if (sparse) y = y + sparse->forward(xc, xc, seq_idx, ctx);
+  y = y * at::silu(z);
   if (state) {
     state->conv = conv_final;
     state->ssm = ssm_final;
@@ -55,10 +67,13 @@ at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, M
 }
 
 MixerState MambaMixer::zero_state(int64_t batch, const at::TensorOptions& opts) const {
-  return {at::zeros({batch, W_ - 1, d_inner_}, opts), at::zeros({batch, d_inner_, N_}, opts)};
+  MixerState s;
+  s.conv = at::zeros({batch, W_ - 1, d_inner_}, opts);
+  s.ssm = at::zeros({batch, d_inner_, N_}, opts);
+  return s;
 }
 
-at::Tensor MambaMixer::step(const at::Tensor& x, MixerState& st) {
+at::Tensor MambaMixer::step(const at::Tensor& x, MixerState& st, const ForwardContext* ctx) {
   at::Tensor xz = in_proj->forward(x);
   at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
   at::Tensor window = at::cat({st.conv, xin.unsqueeze(1)}, 1);  // (B, W, d_inner)
@@ -70,6 +85,8 @@ at::Tensor MambaMixer::step(const at::Tensor& x, MixerState& st) {
   at::Tensor decay = at::exp(delta.unsqueeze(-1) * -at::exp(A_log));         // (B, d_inner, N)
   st.ssm = st.ssm * decay + (delta * xc).unsqueeze(-1) * Bm.unsqueeze(1);
   at::Tensor y = (st.ssm * Cm.unsqueeze(1)).sum(-1) + xc * D;
+  if (sparse) y = y + sparse->step(xc, xc, st, ctx);
+  st.pos += 1;
   return out_proj->forward(y * at::silu(z));
 }
 

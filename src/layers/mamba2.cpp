@@ -8,9 +8,9 @@
 
 namespace hax {
 
-Mamba2Mixer::Mamba2Mixer(const ModelConfig& c)
+Mamba2Mixer::Mamba2Mixer(const ModelConfig& c, int64_t layer)
     : d_model_(c.d_model), d_inner_(c.d_inner()), H_(c.nheads()), P_(c.headdim), G_(c.ngroups), N_(c.d_state),
-      W_(c.d_conv), chunk_(c.chunk_size), eps_(c.norm_eps) {
+      W_(c.d_conv), chunk_(c.chunk_size), eps_(c.norm_eps), qk_from_xbc_(c.has_sparse() && c.qk_init == "bc") {
   const int64_t d_in_proj = 2 * d_inner_ + 2 * G_ * N_ + H_;
   in_proj = register_module("in_proj", torch::nn::Linear(torch::nn::LinearOptions(d_model_, d_in_proj).bias(false)));
   auto conv = param_group(*this, "conv1d");
@@ -27,6 +27,21 @@ Mamba2Mixer::Mamba2Mixer(const ModelConfig& c)
     torch::NoGradGuard ng;
     out_proj->weight.div_(std::sqrt((double)c.n_layers));
   }
+  if (c.has_sparse()) {
+    sparse = register_module(
+        "sparse", std::make_shared<SparseAttentionBranch>(c, qk_from_xbc_ ? conv_dim() : d_inner_, d_inner_, layer));
+    if (qk_from_xbc_) {
+      // Q and K start as the SSM's C and B: the projection selects those coordinates of xBC
+      // ([K; Q] rows; the branch scales K by 1/sqrt(N) like every key).
+      torch::NoGradGuard ng;
+      at::Tensor w = sparse->qk_proj->weight;  // (2N, conv_dim)
+      w.zero_();
+      for (int64_t n = 0; n < N_; ++n) {
+        w[n][d_inner_ + n] = 1.0;            // K <- B
+        w[N_ + n][d_inner_ + N_ + n] = 1.0;  // Q <- C
+      }
+    }
+  }
 }
 
 Mamba2Mixer::Projected Mamba2Mixer::project(const at::Tensor& x) {
@@ -35,20 +50,27 @@ Mamba2Mixer::Projected Mamba2Mixer::project(const at::Tensor& x) {
   return {zxbcdt.narrow(-1, 0, d_inner_), zxbcdt.narrow(-1, d_inner_, cd), zxbcdt.narrow(-1, d_inner_ + cd, H_)};
 }
 
-at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) {
+at::Tensor Mamba2Mixer::qk_input(const at::Tensor& xBC) const {
+  return qk_from_xbc_ ? xBC : xBC.narrow(-1, 0, d_inner_);
+}
+
+at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state,
+                                ForwardContext* ctx) {
   const int64_t B = x.size(0), L = x.size(1);
   Projected pr = project(x);
   at::Tensor conv_init = state ? state->conv : at::Tensor();
   auto [xBC, conv_final] =
       ops::causal_conv1d(pr.xBC, conv_weight.view({conv_dim(), W_}), conv_bias, conv_init, seq_idx, /*silu=*/true);
-  at::Tensor xs = xBC.narrow(-1, 0, d_inner_).view({B, L, H_, P_});
+  at::Tensor xflat = xBC.narrow(-1, 0, d_inner_);
+  at::Tensor xs = xflat.view({B, L, H_, P_});
   at::Tensor Bm = xBC.narrow(-1, d_inner_, G_ * N_).view({B, L, G_, N_});
   at::Tensor Cm = xBC.narrow(-1, d_inner_ + G_ * N_, G_ * N_).view({B, L, G_, N_});
   at::Tensor dt = at::softplus(pr.dt + dt_bias);
   at::Tensor A = -at::exp(A_log);
   auto [y, ssm_final] = ops::ssd(xs, dt, A, Bm, Cm, state ? state->ssm : at::Tensor(), seq_idx, chunk_);
-  y = y + xs * D.view({1, 1, H_, 1});
-  y = ops::rmsnorm(y.reshape({B, L, d_inner_}), pr.z, norm_weight, eps_, d_inner_ / G_);
+  y = (y + xs * D.view({1, 1, H_, 1})).reshape({B, L, d_inner_});
+  if (sparse) y = y + sparse->forward(qk_input(xBC), xflat, seq_idx, ctx);
+  y = ops::rmsnorm(y, pr.z, norm_weight, eps_, d_inner_ / G_);
   if (state) {
     state->conv = conv_final;
     state->ssm = ssm_final;
@@ -57,24 +79,30 @@ at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, 
 }
 
 MixerState Mamba2Mixer::zero_state(int64_t batch, const at::TensorOptions& opts) const {
-  return {at::zeros({batch, W_ - 1, conv_dim()}, opts), at::zeros({batch, H_, P_, N_}, opts)};
+  MixerState s;
+  s.conv = at::zeros({batch, W_ - 1, conv_dim()}, opts);
+  s.ssm = at::zeros({batch, H_, P_, N_}, opts);
+  return s;
 }
 
-at::Tensor Mamba2Mixer::step(const at::Tensor& x, MixerState& st) {
+at::Tensor Mamba2Mixer::step(const at::Tensor& x, MixerState& st, const ForwardContext* ctx) {
   const int64_t B = x.size(0);
   Projected pr = project(x);  // (B, ·)
   // Causal conv over the window [last W-1 inputs, this input].
   at::Tensor window = at::cat({st.conv, pr.xBC.unsqueeze(1)}, 1);  // (B, W, C)
   at::Tensor xBC = at::silu((window * conv_weight.view({conv_dim(), W_}).t().unsqueeze(0)).sum(1) + conv_bias);
   st.conv = window.narrow(1, 1, W_ - 1).contiguous();
-  at::Tensor xs = xBC.narrow(-1, 0, d_inner_).view({B, H_, P_});
+  at::Tensor xflat = xBC.narrow(-1, 0, d_inner_);
+  at::Tensor xs = xflat.view({B, H_, P_});
   at::Tensor Bm = xBC.narrow(-1, d_inner_, G_ * N_).view({B, G_, 1, N_}).repeat_interleave(H_ / G_, 1);
   at::Tensor Cm = xBC.narrow(-1, d_inner_ + G_ * N_, G_ * N_).view({B, G_, 1, N_}).repeat_interleave(H_ / G_, 1);
   at::Tensor dt = at::softplus(pr.dt + dt_bias);  // (B, H)
   at::Tensor decay = at::exp(dt * -at::exp(A_log)).view({B, H_, 1, 1});
   st.ssm = st.ssm * decay + (dt.unsqueeze(-1) * xs).unsqueeze(-1) * Bm;  // (B, H, P, N)
-  at::Tensor y = (st.ssm * Cm).sum(-1) + xs * D.view({1, H_, 1});       // (B, H, P)
-  y = ops::rmsnorm(y.reshape({B, d_inner_}), pr.z, norm_weight, eps_, d_inner_ / G_);
+  at::Tensor y = ((st.ssm * Cm).sum(-1) + xs * D.view({1, H_, 1})).reshape({B, d_inner_});
+  if (sparse) y = y + sparse->step(qk_input(xBC), xflat, st, ctx);
+  y = ops::rmsnorm(y, pr.z, norm_weight, eps_, d_inner_ / G_);
+  st.pos += 1;
   return out_proj->forward(y);
 }
 

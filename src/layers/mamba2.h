@@ -1,20 +1,24 @@
 // Mamba-2 mixer (SSD): in_proj -> [z, xBC, dt]; causal conv + SiLU on xBC; chunked SSD with
 // per-head scalar A = -exp(A_log) and dt = softplus(dt_raw + dt_bias); D skip; gated RMSNorm
 // RMSNorm(y * silu(z)); out_proj. Parameter names follow mamba_ssm.
+//
+// With a sparse branch (ModelConfig::sparse), the hybrid of the HAX paper's Figure 3:
+// RMSNorm((y + E ∘ attention(Q, K, V = x)) * silu(z)), Q and K projected from the post-conv x
+// (or, with qk_init = bc, from the whole post-conv xBC, starting as C and B).
 #pragma once
 #include "layers/mixer.h"
+#include "layers/sparse_branch.h"
 #include "models/model_config.h"
 
 namespace hax {
 
 class Mamba2Mixer : public Mixer {
  public:
-  explicit Mamba2Mixer(const ModelConfig& cfg);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) override;
-  at::Tensor step(const at::Tensor& x, MixerState& state) override;
+  Mamba2Mixer(const ModelConfig& cfg, int64_t layer);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state, ForwardContext* ctx) override;
+  at::Tensor step(const at::Tensor& x, MixerState& state, const ForwardContext* ctx) override;
   MixerState zero_state(int64_t batch, const at::TensorOptions& opts) const override;
 
-  // Pieces shared with the hybrid mixers built on top of this one.
   struct Projected {
     at::Tensor z, xBC, dt;  // (B, L, d_inner), (B, L, conv_dim), (B, L, H)
   };
@@ -25,10 +29,14 @@ class Mamba2Mixer : public Mixer {
   at::Tensor conv_weight, conv_bias;  // (conv_dim, 1, W), (conv_dim)
   at::Tensor dt_bias, A_log, D;       // (H) each
   at::Tensor norm_weight;             // (d_inner)
+  std::shared_ptr<SparseAttentionBranch> sparse;  // null without a sparse branch
 
  protected:
+  // The sparse branch's Q/K input: the post-conv x, or all of xBC with qk_init = bc.
+  at::Tensor qk_input(const at::Tensor& xBC) const;
   int64_t d_model_, d_inner_, H_, P_, G_, N_, W_, chunk_;
   double eps_;
+  bool qk_from_xbc_ = false;
 };
 
 }  // namespace hax

@@ -2,26 +2,39 @@
 
 #include "layers/mamba.h"
 #include "layers/mamba2.h"
+#include "layers/swa.h"
 #include "ops/rmsnorm/rmsnorm.h"
 
 namespace hax {
 
-std::shared_ptr<Mixer> make_mixer(const ModelConfig& cfg) {
-  if (cfg.mixer == "mamba") return std::make_shared<MambaMixer>(cfg);
-  return std::make_shared<Mamba2Mixer>(cfg);
+std::shared_ptr<Mixer> make_mixer(const ModelConfig& cfg, int64_t layer) {
+  if (cfg.mixer == "mamba") return std::make_shared<MambaMixer>(cfg, layer);
+  if (cfg.mixer == "samba") {
+    if (layer % 2 == 1) return std::make_shared<SlidingWindowAttention>(cfg);
+    return std::make_shared<MambaMixer>(cfg, layer);
+  }
+  return std::make_shared<Mamba2Mixer>(cfg, layer);
 }
 
-Block::Block(const ModelConfig& cfg, std::shared_ptr<Mixer> m) : eps_(cfg.norm_eps) {
+Block::Block(const ModelConfig& cfg, std::shared_ptr<Mixer> m, bool with_mlp) : eps_(cfg.norm_eps) {
   mixer = register_module("mixer", std::move(m));
   norm_weight = param_group(*this, "norm")->add("weight", at::ones({cfg.d_model}));
+  if (with_mlp) {
+    norm2_weight = param_group(*this, "norm2")->add("weight", at::ones({cfg.d_model}));
+    mlp = register_module("mlp", std::make_shared<SwiGluMlp>(cfg.d_model, cfg.mlp_hidden(), cfg.n_layers));
+  }
 }
 
-at::Tensor Block::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state) {
-  return x + mixer->forward(ops::rmsnorm(x, at::Tensor(), norm_weight, eps_, 0), seq_idx, state);
+at::Tensor Block::forward(const at::Tensor& x0, const at::Tensor& seq_idx, MixerState* state, ForwardContext* ctx) {
+  at::Tensor x = x0 + mixer->forward(ops::rmsnorm(x0, at::Tensor(), norm_weight, eps_, 0), seq_idx, state, ctx);
+  if (mlp) x = x + mlp->forward(ops::rmsnorm(x, at::Tensor(), norm2_weight, eps_, 0));
+  return x;
 }
 
-at::Tensor Block::step(const at::Tensor& x, MixerState& state) {
-  return x + mixer->step(ops::rmsnorm(x, at::Tensor(), norm_weight, eps_, 0), state);
+at::Tensor Block::step(const at::Tensor& x0, MixerState& state, const ForwardContext* ctx) {
+  at::Tensor x = x0 + mixer->step(ops::rmsnorm(x0, at::Tensor(), norm_weight, eps_, 0), state, ctx);
+  if (mlp) x = x + mlp->forward(ops::rmsnorm(x, at::Tensor(), norm2_weight, eps_, 0));
+  return x;
 }
 
 LanguageModel::LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {
@@ -34,15 +47,19 @@ LanguageModel::LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {
   }
   auto list = backbone->register_module("layers", std::make_shared<torch::nn::Module>());
   for (int64_t i = 0; i < cfg.n_layers; ++i)
-    layers.push_back(list->register_module(std::to_string(i), std::make_shared<Block>(cfg, make_mixer(cfg))));
+    layers.push_back(
+        list->register_module(std::to_string(i), std::make_shared<Block>(cfg, make_mixer(cfg, i), cfg.mixer == "samba")));
   norm_f = param_group(*backbone, "norm_f")->add("weight", at::ones({cfg.d_model}));
   if (!cfg.tie_embeddings)
-    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(cfg.d_model, cfg.vocab_size).bias(false)));
+    lm_head = register_module("lm_head",
+                              torch::nn::Linear(torch::nn::LinearOptions(cfg.d_model, cfg.vocab_size).bias(false)));
 }
 
-at::Tensor LanguageModel::hidden(const at::Tensor& ids, const at::Tensor& seq_idx, std::vector<MixerState>* states) {
+at::Tensor LanguageModel::hidden(const at::Tensor& ids, const at::Tensor& seq_idx, std::vector<MixerState>* states,
+                                 ForwardContext* ctx) {
   at::Tensor x = embedding->forward(ids);
-  for (size_t i = 0; i < layers.size(); ++i) x = layers[i]->forward(x, seq_idx, states ? &(*states)[i] : nullptr);
+  for (size_t i = 0; i < layers.size(); ++i)
+    x = layers[i]->forward(x, seq_idx, states ? &(*states)[i] : nullptr, ctx);
   return ops::rmsnorm(x, at::Tensor(), norm_f, cfg_.norm_eps, 0);
 }
 
@@ -50,8 +67,8 @@ at::Tensor LanguageModel::logits(const at::Tensor& h) {
   return cfg_.tie_embeddings ? at::matmul(h, embedding->weight.t()) : lm_head->forward(h);
 }
 
-at::Tensor LanguageModel::forward(const at::Tensor& ids, const at::Tensor& seq_idx) {
-  return logits(hidden(ids, seq_idx));
+at::Tensor LanguageModel::forward(const at::Tensor& ids, const at::Tensor& seq_idx, ForwardContext* ctx) {
+  return logits(hidden(ids, seq_idx, nullptr, ctx));
 }
 
 std::vector<MixerState> LanguageModel::zero_states(int64_t batch) {
@@ -61,9 +78,9 @@ std::vector<MixerState> LanguageModel::zero_states(int64_t batch) {
   return s;
 }
 
-at::Tensor LanguageModel::step(const at::Tensor& ids, std::vector<MixerState>& states) {
+at::Tensor LanguageModel::step(const at::Tensor& ids, std::vector<MixerState>& states, const ForwardContext* ctx) {
   at::Tensor x = embedding->forward(ids);  // (B, d)
-  for (size_t i = 0; i < layers.size(); ++i) x = layers[i]->step(x, states[i]);
+  for (size_t i = 0; i < layers.size(); ++i) x = layers[i]->step(x, states[i], ctx);
   return logits(ops::rmsnorm(x, at::Tensor(), norm_f, cfg_.norm_eps, 0));
 }
 

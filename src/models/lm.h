@@ -1,6 +1,6 @@
-// The hax language model: embedding, n_layers residual pre-norm blocks
-// (x + mixer(RMSNorm(x))), a final RMSNorm and a head tied to the embedding.
-// Parameter names follow mamba_ssm's MambaLMHeadModel ("backbone.layers.0.mixer.in_proj.weight").
+// The hax language model: embedding, n_layers residual pre-norm blocks, a final RMSNorm and a
+// head tied to the embedding. A block is x + mixer(RMSNorm(x)), followed for Samba by
+// x + MLP(RMSNorm(x)). Parameter names follow mamba_ssm ("backbone.layers.0.mixer.in_proj.weight").
 #pragma once
 #include <torch/torch.h>
 
@@ -9,19 +9,22 @@
 #include <string>
 #include <vector>
 
+#include "layers/forward_context.h"
 #include "layers/mixer.h"
+#include "layers/mlp.h"
 #include "models/model_config.h"
 
 namespace hax {
 
-// One residual block: x + mixer(RMSNorm(x)).
 class Block : public torch::nn::Module {
  public:
-  Block(const ModelConfig& cfg, std::shared_ptr<Mixer> mixer);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state);
-  at::Tensor step(const at::Tensor& x, MixerState& state);
+  Block(const ModelConfig& cfg, std::shared_ptr<Mixer> mixer, bool with_mlp);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state, ForwardContext* ctx);
+  at::Tensor step(const at::Tensor& x, MixerState& state, const ForwardContext* ctx);
   std::shared_ptr<Mixer> mixer;
-  at::Tensor norm_weight;  // (d_model)
+  std::shared_ptr<SwiGluMlp> mlp;  // Samba only
+  at::Tensor norm_weight;          // (d_model)
+  at::Tensor norm2_weight;         // (d_model), before the MLP
 
  private:
   double eps_;
@@ -32,17 +35,18 @@ class LanguageModel : public torch::nn::Module {
   explicit LanguageModel(const ModelConfig& cfg);
 
   // ids (B, L) int64 -> final normalized hidden states (B, L, d_model). seq_idx (B, L) int32 or
-  // undefined (see Mixer::forward). With `states` (one per layer) the scan starts from and
-  // updates them.
-  at::Tensor hidden(const at::Tensor& ids, const at::Tensor& seq_idx, std::vector<MixerState>* states = nullptr);
+  // undefined (see Mixer::forward). With `states` (one per layer) the SSM scans start from and
+  // update them. ctx (optional) carries the training flag, the seed and the auxiliary losses.
+  at::Tensor hidden(const at::Tensor& ids, const at::Tensor& seq_idx, std::vector<MixerState>* states = nullptr,
+                    ForwardContext* ctx = nullptr);
   // Hidden (..., d_model) -> logits (..., vocab).
   at::Tensor logits(const at::Tensor& hidden);
   // ids (B, L) -> logits (B, L, vocab).
-  at::Tensor forward(const at::Tensor& ids, const at::Tensor& seq_idx = {});
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& seq_idx = {}, ForwardContext* ctx = nullptr);
 
-  // Recurrent decoding: zero states, then one token (B) int64 at a time -> logits (B, vocab).
+  // Decoding: zero states, then one token (B) int64 at a time -> logits (B, vocab).
   std::vector<MixerState> zero_states(int64_t batch);
-  at::Tensor step(const at::Tensor& ids, std::vector<MixerState>& states);
+  at::Tensor step(const at::Tensor& ids, std::vector<MixerState>& states, const ForwardContext* ctx = nullptr);
 
   const ModelConfig& config() const { return cfg_; }
   // name -> parameter, in a stable order (the names of the safetensors file).
@@ -50,14 +54,15 @@ class LanguageModel : public torch::nn::Module {
 
   torch::nn::Embedding embedding{nullptr};
   std::vector<std::shared_ptr<Block>> layers;
-  at::Tensor norm_f;                    // (d_model)
-  torch::nn::Linear lm_head{nullptr};   // only when tie_embeddings is false
+  at::Tensor norm_f;                   // (d_model)
+  torch::nn::Linear lm_head{nullptr};  // only when tie_embeddings is false
 
  private:
   ModelConfig cfg_;
 };
 
-// Builds the mixer the config names.
-std::shared_ptr<Mixer> make_mixer(const ModelConfig& cfg);
+// The mixer of layer `layer` for the config: Mamba, Mamba-2 (with their sparse branch when
+// configured), or for Samba a Mamba layer (even layers) or a sliding-window attention layer.
+std::shared_ptr<Mixer> make_mixer(const ModelConfig& cfg, int64_t layer);
 
 }  // namespace hax

@@ -3,11 +3,14 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace hax {
 
 struct ModelConfig {
-  std::string mixer = "mamba2";  // sequence mixer of every block: "mamba" (S6) or "mamba2" (SSD)
+  std::string mixer = "mamba2";  // sequence mixer: "mamba" (S6), "mamba2" (SSD), or "samba" (Mamba
+                                 // layers interleaved with sliding-window attention layers, each
+                                 // block followed by a SwiGLU MLP)
   int64_t vocab_size = 100;      // embedding rows; must exceed the task's largest token id
   int64_t d_model = 64;          // residual stream width
   int64_t n_layers = 2;          // number of residual blocks
@@ -26,14 +29,41 @@ struct ModelConfig {
   bool tie_embeddings = true;    // LM head shares the embedding matrix (as the reference trains it)
   bool rescale_prenorm_residual = true;  // scale out_proj init by 1/sqrt(n_layers), as mamba_ssm
 
+  // Sparse attention branch inside every Mamba / Mamba-2 mixer (the paper's Figure 3).
+  std::string sparse = "none";   // none | sw | d | sw+d | a | lsh | ks | hax | full
+  int64_t sparse_keys = 64;      // k: keys per query, split evenly across the parts of a union
+                                 // (sw+d, a = sw+sink, hax = lsh+ks), as in the reference
+  int64_t attn_heads = 1;        // heads of the branch; the values (the post-conv x) are split among them
+  int64_t qk_dim = 0;            // query/key width per head; 0 = d_state (the reference)
+  std::string qk_init = "random";  // "random", or "bc": Q and K start as the SSM's C and B
+  int64_t lsh_bits = 8;          // h hyperplanes of LSH (paper: 8, sign-bit)
+  std::string lsh_binning = "sign";  // "sign" (2^h buckets) or "argmax" (h buckets)
+  int64_t dilated_span = 2048;   // dilated stride r = dilated_span / k_part (reference: 2048 / k)
+  int64_t ks_hidden = 0;         // Key Selection scorer MLP width; 0 = 2 * qk_dim (the reference)
+  int64_t ks_candidates = 0;     // keys sampled per row for the ranking loss; 0 = k_part
+
+  // Samba (mixer = "samba"): layers alternate Mamba and sliding-window attention.
+  int64_t swa_window = 64;       // keys per query of the attention layers (paper: 64)
+  int64_t swa_heads = 4;         // attention heads (head dim = d_model / swa_heads)
+  double mlp_ratio = 4.0;        // SwiGLU hidden width = round8(mlp_ratio * d_model * 2 / 3)
+  double rope_theta = 10000.0;   // rotary embedding base of the attention layers
+
   // Derived sizes.
   int64_t d_inner() const { return expand * d_model; }
   int64_t nheads() const { return d_inner() / headdim; }
   int64_t dt_rank_resolved() const { return dt_rank > 0 ? dt_rank : (d_model + 15) / 16; }
+  int64_t qk_dim_resolved() const { return qk_dim > 0 ? qk_dim : d_state; }
+  int64_t ks_hidden_resolved() const { return ks_hidden > 0 ? ks_hidden : 2 * qk_dim_resolved(); }
+  bool has_sparse() const { return sparse != "none"; }
+  // The parts of the sparse pattern ("sw", "d", "sink", "lsh", "ks", or "full") and k per part.
+  std::vector<std::string> sparse_parts() const;
+  int64_t keys_per_part() const { return sparse_keys / (int64_t)sparse_parts().size(); }
+  int64_t ks_candidates_resolved() const { return ks_candidates > 0 ? ks_candidates : keys_per_part(); }
+  int64_t mlp_hidden() const { return ((int64_t)(mlp_ratio * d_model * 2.0 / 3.0) + 7) / 8 * 8; }
 
   // Throws UsageError naming the option (CLI spelling), the value and the constraint.
   void validate() const;
-  nlohmann::json to_json() const;
+  nlohmann::ordered_json to_json() const;  // fields in declaration order
 };
 
 }  // namespace hax

@@ -2,10 +2,13 @@
 
 namespace hax {
 
-LossResult masked_lm_loss(LanguageModel& model, const Batch& batch) {
-  at::Tensor h = model.hidden(batch.inputs, batch.seq_idx);  // (B, T, d)
+LossResult masked_lm_loss(LanguageModel& model, const Batch& batch, ForwardContext& ctx) {
+  ctx.valid = batch.sample_id >= 0;
+  ctx.ranking_losses.clear();
+  at::Tensor h = model.hidden(batch.inputs, batch.seq_idx, nullptr, &ctx);  // (B, T, d)
   at::Tensor sel = batch.loss_mask.reshape({-1}).nonzero().squeeze(1);
   LossResult r;
+  for (auto& l : ctx.ranking_losses) r.ranking = r.ranking.defined() ? r.ranking + l : l;
   r.positions = sel.numel();
   if (r.positions == 0) {
     r.loss = (h.sum() * 0.0);

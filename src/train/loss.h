@@ -2,6 +2,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include "layers/forward_context.h"
 #include "models/lm.h"
 #include "tasks/batch.h"
 
@@ -12,9 +13,11 @@ struct LossResult {
   double correct_sum = 0;    // Σ over samples of that sample's accuracy (mean over its positions)
   int64_t samples = 0;       // samples with at least one supervised position
   int64_t positions = 0;     // supervised positions
+  at::Tensor ranking;        // scalar: Σ over layers of the Key Selection ranking losses (training), or undefined
 };
 
-// Runs the model on the batch (logits only at supervised positions) and scores it.
-LossResult masked_lm_loss(LanguageModel& model, const Batch& batch);
+// Runs the model on the batch (logits only at supervised positions) and scores it. ctx gives
+// the training flag and seed; its valid mask is set from the batch.
+LossResult masked_lm_loss(LanguageModel& model, const Batch& batch, ForwardContext& ctx);
 
 }  // namespace hax

@@ -28,10 +28,11 @@ void TrainConfig::validate() const {
   HAX_CHECK(beta2 >= 0 && beta2 < 1, "--beta2 {} must be in [0, 1)", beta2);
   HAX_CHECK(adam_eps > 0, "--adam-eps {} must be positive", adam_eps);
   HAX_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
+  HAX_CHECK(ranking_alpha >= 0, "--ranking-alpha {} must be >= 0", ranking_alpha);
   HAX_CHECK(pack_len >= 0, "--pack-len {} must be >= 0 (0 uses the task's longest sample)", pack_len);
 }
 
-nlohmann::json TrainConfig::to_json() const {
+nlohmann::ordered_json TrainConfig::to_json() const {
   return {{"run_dir", run_dir},       {"seed", seed},
           {"threads", threads},       {"device", device},
           {"steps", steps},           {"batch_size", batch_size},
@@ -39,7 +40,7 @@ nlohmann::json TrainConfig::to_json() const {
           {"schedule", schedule},     {"warmup_steps", warmup_steps},
           {"weight_decay", weight_decay}, {"beta1", beta1},
           {"beta2", beta2},           {"adam_eps", adam_eps},
-          {"grad_clip", grad_clip},   {"pack", pack},
+          {"grad_clip", grad_clip},   {"ranking_alpha", ranking_alpha}, {"pack", pack},
           {"pack_len", pack_len},     {"log_every", log_every},
           {"eval_every", eval_every}, {"save_every", save_every},
           {"n_valid", n_valid},       {"n_test", n_test},

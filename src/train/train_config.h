@@ -22,6 +22,7 @@ struct TrainConfig {
   double beta2 = 0.999;
   double adam_eps = 1e-8;
   double grad_clip = 1.0;       // clip the global gradient norm to this; 0 disables
+  double ranking_alpha = 0.1;   // weight α of the summed Key Selection ranking losses (reference: 0.1)
   bool pack = true;             // pack variable-length samples into rows (state resets between them)
   int64_t pack_len = 0;         // packed row length in tokens; 0 = the task's max sample length
   int64_t log_every = 50;       // steps between training-metric lines
@@ -35,7 +36,7 @@ struct TrainConfig {
   bool progress = true;         // show a progress bar (on a terminal) or periodic lines
 
   void validate() const;
-  nlohmann::json to_json() const;
+  nlohmann::ordered_json to_json() const;  // fields in declaration order
 };
 
 }  // namespace hax

@@ -8,6 +8,7 @@
 #include "core/atomic_file.h"
 #include "core/error.h"
 #include "core/progress.h"
+#include "core/rng.h"
 #include "core/signals.h"
 #include "eval/evaluator.h"
 #include "models/lm.h"
@@ -30,15 +31,16 @@ namespace {
 // Training metrics averaged over a logging window; saved in checkpoints so that a resumed run
 // logs exactly what an uninterrupted one would.
 struct Window {
-  double loss = 0, acc = 0, grad_norm = 0;
+  double loss = 0, acc = 0, grad_norm = 0, ranking = 0;
   int64_t steps = 0, tokens = 0;
   nlohmann::json to_json() const {
-    return {{"loss", loss}, {"acc", acc}, {"grad_norm", grad_norm}, {"steps", steps}, {"tokens", tokens}};
+    return {{"loss", loss},   {"acc", acc},       {"grad_norm", grad_norm},
+            {"ranking", ranking}, {"steps", steps}, {"tokens", tokens}};
   }
   static Window from_json(const nlohmann::json& j) {
     Window w;
     w.loss = j.at("loss"), w.acc = j.at("acc"), w.grad_norm = j.at("grad_norm"), w.steps = j.at("steps");
-    w.tokens = j.at("tokens");
+    w.tokens = j.at("tokens"), w.ranking = j.value("ranking", 0.0);
     return w;
   }
 };
@@ -114,13 +116,17 @@ TrainSummary train(const RunConfig& run) {
     for (int64_t i = 0; i < tc.batch_size; ++i) samples.push_back(stream.at(step * tc.batch_size + i));
     Batch batch = make_batch(samples, tc.pack, pack_len);
     const double lr = learning_rate(step, tc.steps, tc.lr, tc.min_lr, tc.warmup_steps, tc.schedule);
-    LossResult r = masked_lm_loss(model, batch);
+    ForwardContext ctx;
+    ctx.training = true;
+    ctx.seed = derive_seed(tc.seed, 0x57E9, (uint64_t)step);  // LSH hash resampled every step
+    LossResult r = masked_lm_loss(model, batch, ctx);
     if (step == nan_step) r.loss = r.loss * std::nan("");
     const double loss = r.loss.item<double>();
+    const double ranking = r.ranking.defined() ? r.ranking.item<double>() : 0.0;
     opt.zero_grad();
     double gnorm = 0;
     if (std::isfinite(loss)) {
-      r.loss.backward();
+      (r.ranking.defined() ? r.loss + tc.ranking_alpha * r.ranking : r.loss).backward();
       gnorm = clip_grad_norm(params, tc.grad_clip);
     }
     if (!std::isfinite(loss) || !std::isfinite(gnorm)) {
@@ -138,16 +144,19 @@ TrainSummary train(const RunConfig& run) {
     meta.step = step + 1;
     last_loss = loss;
     last_acc = r.samples ? r.correct_sum / r.samples : 0;
-    window.loss += loss, window.acc += last_acc, window.grad_norm += gnorm, window.steps += 1;
+    window.loss += loss, window.acc += last_acc, window.grad_norm += gnorm, window.ranking += ranking;
+    window.steps += 1;
     window.tokens += batch.num_tokens;
 
     if (meta.step % tc.log_every == 0 || meta.step == tc.steps) {
       const auto now = std::chrono::steady_clock::now();
       const double dt = std::chrono::duration<double>(now - t_window).count();
       tps = dt > 0 ? window.tokens / dt : 0;
-      metrics.write({{"event", "train"}, {"step", meta.step}, {"loss", window.loss / window.steps},
-                     {"acc", window.acc / window.steps}, {"grad_norm", window.grad_norm / window.steps},
-                     {"lr", lr}, {"tokens", window.tokens}, {"tokens_per_s", tps}});
+      nlohmann::json line = {{"event", "train"}, {"step", meta.step}, {"loss", window.loss / window.steps},
+                             {"acc", window.acc / window.steps}, {"grad_norm", window.grad_norm / window.steps},
+                             {"lr", lr}, {"tokens", window.tokens}, {"tokens_per_s", tps}};
+      if (window.ranking != 0) line["ranking_loss"] = window.ranking / window.steps;  // Σ layers, before α
+      metrics.write(line);
       window = Window{};
       t_window = now;
     }
@@ -155,7 +164,7 @@ TrainSummary train(const RunConfig& run) {
 
     const bool final_step = meta.step == tc.steps;
     if (meta.step % tc.eval_every == 0 || final_step) {
-      EvalResult v = evaluate(model, splits.valid, tc.eval_batch_size, tc.pack, pack_len);
+      EvalResult v = evaluate(model, splits.valid, tc.eval_batch_size, tc.pack, pack_len, eval_seed(tc.seed));
       const bool better = v.accuracy > meta.best_valid_acc;
       if (better) {
         meta.best_valid_acc = v.accuracy;
@@ -187,7 +196,7 @@ TrainSummary train(const RunConfig& run) {
 
   // Final test accuracy of the best-validation model.
   if (path_exists(best_path)) load_weights(model, read_checkpoint(best_path), best_path);
-  EvalResult t = evaluate(model, splits.test, tc.eval_batch_size, tc.pack, pack_len);
+  EvalResult t = evaluate(model, splits.test, tc.eval_batch_size, tc.pack, pack_len, eval_seed(tc.seed));
   summary.test_acc = t.accuracy;
   summary.test_loss = t.loss;
   metrics.write({{"event", "test"}, {"step", meta.step}, {"loss", t.loss}, {"acc", t.accuracy},

@@ -1,0 +1,96 @@
+#include "layers/key_scorer.h"
+
+#include <algorithm>
+
+#include "core/rng.h"
+
+namespace hax {
+
+KeyScorer::KeyScorer(int64_t n, int64_t hidden) {
+  using torch::nn::Linear;
+  l1 = register_module("l1", Linear(2 * n, hidden));
+  l2 = register_module("l2", Linear(hidden, hidden));
+  l3 = register_module("l3", Linear(hidden, 1));
+}
+
+at::Tensor segment_cumsum(const at::Tensor& x, const at::Tensor& seq_idx) {
+  at::Tensor cs = x.cumsum(1);
+  if (!seq_idx.defined()) return cs;
+  const int64_t B = x.size(0), L = x.size(1);
+  // Position of each sequence's first token: where seq_idx changes (or 0).
+  at::Tensor s = seq_idx.to(at::kLong).to(x.device());
+  at::Tensor is_start = at::ones({B, L}, s.options().dtype(at::kBool));
+  if (L > 1) is_start.narrow(1, 1, L - 1).copy_(s.narrow(1, 1, L - 1) != s.narrow(1, 0, L - 1));
+  at::Tensor pos = at::arange(L, s.options()).expand({B, L});
+  at::Tensor start = std::get<0>(at::where(is_start, pos, at::zeros_like(pos)).cummax(1));  // (B, L)
+  // cs at start - 1 (zero when start == 0), broadcast over the trailing dims.
+  std::vector<int64_t> view = {B, L};
+  for (int64_t d = 2; d < x.dim(); ++d) view.push_back(1);
+  at::Tensor prev = (start - 1).clamp_min(0).view(view).expand(x.sizes());
+  at::Tensor before = cs.gather(1, prev) * (start > 0).to(x.scalar_type()).view(view);
+  return cs - before;
+}
+
+at::Tensor KeyScorer::forward(const at::Tensor& k, const at::Tensor& q, const at::Tensor& seq_idx) {
+  at::Tensor qs = segment_cumsum(q.detach(), seq_idx);
+  qs = qs / qs.norm(2, -1, true).clamp_min(1e-12);
+  at::Tensor h = at::cat({k.detach(), qs}, -1);  // (B, L, H, 2N)
+  h = at::relu(l1->forward(h));
+  h = at::relu(l2->forward(h));
+  return l3->forward(h).squeeze(-1);  // (B, L, H)
+}
+
+at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                           const at::Tensor& valid, const at::Tensor& cand) {
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), N = q.size(3), C = cand.size(1);
+  at::Tensor x = scores.gather(1, cand.unsqueeze(-1).expand({B, C, H}));  // (B, C, H) predicted
+  at::Tensor y;
+  {
+    torch::NoGradGuard ng;
+    at::Tensor kc = k.gather(1, cand.view({B, C, 1, 1}).expand({B, C, H, N}));  // (B, C, H, N)
+    at::Tensor s = at::einsum("blhn,bchn->bhlc", {q, kc}).sigmoid();            // (B, H, L, C)
+    at::Tensor pos = at::arange(L, cand.options()).view({1, 1, L, 1});
+    at::Tensor keep = pos >= cand.view({B, 1, 1, C});
+    if (seq_idx.defined()) {
+      at::Tensor sq = seq_idx.to(at::kLong).to(cand.device());
+      at::Tensor sc = sq.gather(1, cand);
+      keep = keep & (sq.view({B, 1, L, 1}) == sc.view({B, 1, 1, C}));
+    }
+    if (valid.defined()) keep = keep & valid.to(at::kBool).view({B, 1, L, 1});
+    y = (s * keep.to(s.scalar_type())).sum(2).transpose(1, 2);  // (B, C, H)
+  }
+  at::Tensor logits = x.unsqueeze(2) - x.unsqueeze(1);  // (B, C, C, H): x_a - x_b
+  at::Tensor ya = y.unsqueeze(2), yb = y.unsqueeze(1);
+  at::Tensor target = ((ya > yb).to(x.scalar_type()) + (ya >= yb).to(x.scalar_type())) / 2;
+  return at::binary_cross_entropy_with_logits(logits, target);
+}
+
+at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                        const at::Tensor& valid, int64_t candidates, uint64_t seed) {
+  const int64_t B = q.size(0), L = q.size(1);
+  at::Tensor ok = valid.defined() ? valid.to(at::kCPU).to(at::kBool).contiguous() : at::ones({B, L}, at::kBool);
+  auto okp = ok.accessor<bool, 2>();
+  // Same candidate count for every row: the fewest valid positions of any row, at most `candidates`.
+  int64_t C = candidates;
+  std::vector<std::vector<int64_t>> pools(B);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < L; ++t)
+      if (okp[b][t]) pools[b].push_back(t);
+    C = std::min<int64_t>(C, (int64_t)pools[b].size());
+  }
+  if (C < 2) return scores.sum() * 0.0;  // no pair to rank
+  at::Tensor cand = at::empty({B, C}, at::kLong);
+  auto cp = cand.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < B; ++b) {
+    Rng rng(derive_seed(seed, 0x4B53, (uint64_t)b));
+    auto& pool = pools[b];
+    for (int64_t c = 0; c < C; ++c) {  // partial Fisher-Yates: C distinct positions
+      const int64_t r = c + (int64_t)rng.below(pool.size() - c);
+      std::swap(pool[c], pool[r]);
+      cp[b][c] = pool[c];
+    }
+  }
+  return ranking_loss_at(scores, q, k, seq_idx, valid, cand.to(scores.device()));
+}
+
+}  // namespace hax

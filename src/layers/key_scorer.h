@@ -1,0 +1,38 @@
+// Key Selection's scorer and its ranking loss (HAX paper section 4.2).
+//
+// score_j = MLP([k_j, normalize(Σ_{p<=j} q_p)]): three linear layers with ReLU between them
+// (width 2·N in the reference). Its inputs are detached, so the scorer learns only from the
+// ranking loss, never from the language-model loss. The ranking loss samples c candidate keys
+// per row, targets y_a = Σ_{i>=pos_a} sigmoid(q_i · k_{pos_a}) (causal, same sequence, real
+// tokens; detached), pairwise logits P_ab = x_a − x_b and targets T_ab = ([y_a > y_b] +
+// [y_a >= y_b]) / 2 ∈ {1, 0.5, 0}; loss = mean BCE-with-logits over all pairs.
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+
+namespace hax {
+
+class KeyScorer : public torch::nn::Module {
+ public:
+  KeyScorer(int64_t qk_dim, int64_t hidden);
+  // k, q: (B, L, H, N) -> scores (B, L, H). seq_idx restarts the running sum of q per sequence.
+  at::Tensor forward(const at::Tensor& k, const at::Tensor& q, const at::Tensor& seq_idx);
+  torch::nn::Linear l1{nullptr}, l2{nullptr}, l3{nullptr};
+};
+
+// Σ_{p = start..j} x_p along dim 1 (B, L, ...), restarted at each packed sequence's start.
+at::Tensor segment_cumsum(const at::Tensor& x, const at::Tensor& seq_idx);
+
+// The ranking loss of the scores (B, L, H) against q, k (B, L, H, N): `candidates` distinct
+// positions per row drawn with hax::Rng(seed) among the valid ones (valid (B, L) bool or
+// undefined). Differentiable in scores only.
+at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                        const at::Tensor& valid, int64_t candidates, uint64_t seed);
+
+// The loss for given candidate positions cand (B, C) int64 (all rows the same count): the
+// formula above, written directly. Exposed for tests.
+at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                           const at::Tensor& valid, const at::Tensor& cand);
+
+}  // namespace hax

@@ -1,0 +1,126 @@
+#include "layers/sparse_branch.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/rng.h"
+#include "ops/attention/attention.h"
+#include "ops/causal_attention/causal_attention.h"
+
+namespace hax {
+
+SparseAttentionBranch::SparseAttentionBranch(const ModelConfig& c, int64_t qk_in_dim, int64_t v_dim, int64_t layer)
+    : kind_(c.sparse), parts_(c.sparse_parts()), H_(c.attn_heads), N_(c.qk_dim_resolved()), v_dim_(v_dim),
+      keys_per_part_(c.keys_per_part()), stride_(std::max<int64_t>(1, c.dilated_span / c.keys_per_part())),
+      bits_(c.lsh_bits), candidates_(c.ks_candidates_resolved()), layer_(layer),
+      binning_(patterns::binning_from_string(c.lsh_binning)) {
+  qk_proj = register_module("qk_proj", torch::nn::Linear(torch::nn::LinearOptions(qk_in_dim, 2 * H_ * N_).bias(false)));
+  E = register_parameter("E", at::ones({v_dim}));
+  for (auto& p : parts_)
+    if (p == "ks") scorer = register_module("scorer", std::make_shared<KeyScorer>(N_, c.ks_hidden_resolved()));
+}
+
+std::pair<at::Tensor, at::Tensor> SparseAttentionBranch::queries_keys(const at::Tensor& qk_in) {
+  const int64_t B = qk_in.size(0), L = qk_in.size(1);
+  at::Tensor kq = qk_proj->forward(qk_in);
+  at::Tensor k = kq.narrow(-1, 0, H_ * N_).reshape({B, L, H_, N_}) / std::sqrt((double)N_);
+  at::Tensor q = kq.narrow(-1, H_ * N_, H_ * N_).reshape({B, L, H_, N_});
+  return {q, k};
+}
+
+at::Tensor SparseAttentionBranch::lsh_projection(const ForwardContext* ctx) const {
+  return patterns::lsh_projection(N_, bits_, derive_seed(ctx ? ctx->seed : 0, 0x15A, (uint64_t)layer_));
+}
+
+patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                                                    const ForwardContext* ctx, at::Tensor* ks_scores) {
+  const int64_t B = q.size(0), L = q.size(1);
+  patterns::KeyLists all;
+  for (const auto& part : parts_) {
+    patterns::KeyLists p;
+    if (part == "sw") p = patterns::sliding_window(B, H_, L, keys_per_part_, seq_idx);
+    else if (part == "sink") p = patterns::sink(B, H_, L, keys_per_part_, seq_idx);
+    else if (part == "d") p = patterns::dilated(B, H_, L, keys_per_part_, stride_, seq_idx);
+    else if (part == "lsh") {
+      torch::NoGradGuard ng;
+      p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, lsh_projection(ctx).to(q.scalar_type()), binning_,
+                        seq_idx);
+    } else if (part == "ks") {
+      at::Tensor scores = ks_scores && ks_scores->defined() ? *ks_scores : scorer->forward(k, q, seq_idx);  // (B, L, H)
+      if (ks_scores) *ks_scores = scores;
+      torch::NoGradGuard ng;
+      p = patterns::top_k_prefix(scores.detach(), keys_per_part_, seq_idx);
+    }
+    all = all.idx.defined() ? patterns::merge(all, p) : p;
+  }
+  return all;
+}
+
+at::Tensor SparseAttentionBranch::forward(const at::Tensor& qk_in, const at::Tensor& v, const at::Tensor& seq_idx,
+                                          ForwardContext* ctx) {
+  const int64_t B = v.size(0), L = v.size(1);
+  auto [q, k] = queries_keys(qk_in);
+  at::Tensor vh = v.reshape({B, L, H_, v_dim_ / H_});
+  at::Tensor out;
+  if (kind_ == "full") {
+    out = std::get<0>(ops::causal_attention(q, k, vh, seq_idx, 0, 1.0));
+  } else {
+    at::Tensor scores;
+    patterns::KeyLists lists = key_lists(q, k, seq_idx, ctx, &scores);
+    if (ctx && ctx->record) {
+      PatternRecord rec{lists, {}, {}, scores.defined() ? scores.detach() : scores};
+      if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {
+        at::Tensor proj = lsh_projection(ctx).to(q.scalar_type());
+        rec.q_bucket = patterns::lsh_buckets(q.detach(), proj, binning_, seq_idx);
+        rec.k_bucket = patterns::lsh_buckets(k.detach(), proj, binning_, seq_idx);
+      }
+      ctx->record->push_back(rec);
+    }
+    out = std::get<0>(ops::sparse_attention(q, k, vh, lists.idx, {}, {}, lists.q_order, 1.0));
+    if (scores.defined() && ctx && ctx->training)
+      ctx->ranking_losses.push_back(ranking_loss(scores, q.detach(), k.detach(), seq_idx, ctx->valid, candidates_,
+                                                 derive_seed(ctx->seed, 0x45, (uint64_t)layer_)));
+  }
+  return out.reshape({B, L, v_dim_}) * E;
+}
+
+at::Tensor SparseAttentionBranch::step(const at::Tensor& qk_in, const at::Tensor& v, MixerState& st,
+                                       const ForwardContext* ctx) {
+  const int64_t B = v.size(0), t = st.pos;
+  auto [q, k] = queries_keys(qk_in.unsqueeze(1));  // (B, 1, H, N)
+  at::Tensor vh = v.reshape({B, 1, H_, v_dim_ / H_});
+  auto append = [](at::Tensor& cache, const at::Tensor& x) { cache = cache.defined() ? at::cat({cache, x}, 1) : x; };
+  append(st.keys, k.detach());
+  append(st.values, vh.detach());
+  // q_sum holds Σ q of all tokens (Key Selection's query context); the queries themselves are
+  // kept too for LSH, whose centering needs every past query.
+  st.q_sum = st.q_sum.defined() ? st.q_sum + q.squeeze(1).detach() : q.squeeze(1).detach();
+  at::Tensor idx;  // (B, H, 1, K)
+  if (kind_ == "full") {
+    idx = at::arange(t + 1, at::TensorOptions().dtype(at::kInt)).view({1, 1, 1, t + 1}).expand({B, H_, 1, t + 1});
+  } else {
+    at::Tensor scores;
+    if (scorer) {
+      // The new key's score: the scorer on [k_t, normalize(Σ_{p<=t} q_p)].
+      at::Tensor qs = st.q_sum / st.q_sum.norm(2, -1, true).clamp_min(1e-12);
+      at::Tensor h = at::cat({k.squeeze(1).detach(), qs}, -1);
+      h = at::relu(scorer->l1->forward(h));
+      h = at::relu(scorer->l2->forward(h));
+      append(st.key_scores, scorer->l3->forward(h).view({B, 1, H_}));
+      scores = st.key_scores;
+    }
+    at::Tensor qs_all;  // every past query, for LSH's causal centering
+    if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {
+      append(st.queries, q.detach());
+      qs_all = st.queries;
+    } else {
+      qs_all = q.detach().expand({B, t + 1, H_, N_});  // unused by the other patterns
+    }
+    patterns::KeyLists lists = key_lists(qs_all, st.keys, {}, ctx, &scores);
+    idx = lists.idx.narrow(2, t, 1);
+  }
+  at::Tensor out = std::get<0>(ops::sparse_attention(q, st.keys, st.values, idx.contiguous(), {}, {}, {}, 1.0));
+  return out.reshape({B, v_dim_}) * E;
+}
+
+}  // namespace hax

@@ -1,0 +1,101 @@
+// Binding layer of causal attention: tensor checks, dispatch to the kernels, autograd.
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/causal_attention/causal_attention.h"
+#include "ops/check.h"
+
+namespace hax::ops {
+namespace {
+
+constexpr const char* kOp = "causal_attention";
+
+struct Dims {
+  int64_t B, L, H, D, Dv;
+};
+
+Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window, double scale) {
+  check_rank(kOp, "q", q, 4, "(B, L, H, D)");
+  check_floating(kOp, "q", q);
+  HAX_CHECK(q.device().is_cpu(), "{}: q is on {}, but this build runs {} on the CPU only", kOp, q.device().str(), kOp);
+  Dims d{q.size(0), q.size(1), q.size(2), q.size(3), 0};
+  check_shape(kOp, "k", k, {d.B, d.L, d.H, d.D}, "(B, L, H, D)");
+  check_rank(kOp, "v", v, 4, "(B, L, H, Dv)");
+  d.Dv = v.size(3);
+  check_shape(kOp, "v", v, {d.B, d.L, d.H, d.Dv}, "(B, L, H, Dv)");
+  check_same(kOp, "k", k, q);
+  check_same(kOp, "v", v, q);
+  HAX_CHECK(window >= 0, "{}: window {} must be >= 0 (0 = every earlier key)", kOp, window);
+  HAX_CHECK(scale > 0 && std::isfinite(scale), "{}: scale {} must be positive and finite (e.g. 1/sqrt(D))", kOp,
+            scale);
+  return d;
+}
+
+CausalAttentionParams make_params(const Dims& d, int64_t window, double scale, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq) {
+  CausalAttentionParams p;
+  p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
+  p.window = window;
+  p.scale = scale;
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
+  return p;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, at::Tensor seq_idx,
+                               int64_t window, double scale) {
+    // An absent seq_idx arrives as an empty tensor (LibTorch's autograd needs defined ones).
+    if (seq_idx.numel() == 0) seq_idx = at::Tensor();
+    Dims d = check_inputs(q0, k0, v0, window, scale);
+    at::Tensor seq = check_seq_idx(kOp, seq_idx, d.B, d.L);
+    at::Tensor q = q0.contiguous(), k = k0.contiguous(), v = v0.contiguous();
+    CausalAttentionParams p = make_params(d, window, scale, q, k, v, seq);
+    at::Tensor out = at::empty({d.B, d.L, d.H, d.Dv}, q.options());
+    at::Tensor lse = at::empty({d.B, d.H, d.L}, q.options());
+    p.out = out.data_ptr(), p.lse = lse.data_ptr();
+    if (d.B * d.H * d.L > 0) causal_attention_forward_cpu(p, q.scalar_type());
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["has_seq"] = seq.defined();
+    ctx->save_for_backward({q, k, v, seq.defined() ? seq : at::empty({0}, at::kInt), out, lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const at::Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[4], &lse = s[5];
+    at::Tensor seq = ctx->saved_data["has_seq"].toBool() ? s[3] : at::Tensor();
+    const int64_t window = ctx->saved_data["window"].toInt();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    Dims d{q.size(0), q.size(1), q.size(2), q.size(3), v.size(3)};
+    at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(out);
+    at::Tensor dlse = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
+    CausalAttentionGradParams gp;
+    gp.fwd = make_params(d, window, scale, q, k, v, seq);
+    gp.fwd.out = out.data_ptr(), gp.fwd.lse = lse.data_ptr();
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    gp.dout = dout.data_ptr();
+    gp.dlse = dlse.defined() ? dlse.data_ptr() : nullptr;
+    gp.dq = dq.data_ptr(), gp.dk = dk.data_ptr(), gp.dv = dv.data_ptr();
+    if (d.B * d.H * d.L > 0) causal_attention_backward_cpu(gp, q.scalar_type());
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& seq_idx, int64_t window, double scale) {
+  check_inputs(q, k, v, window, scale);  // before apply, which needs defined tensors
+  auto out = CausalAttentionFunction::apply(q, k, v, seq_idx.defined() ? seq_idx : at::empty({0}, at::kInt), window,
+                                            scale);
+  return {out[0], out[1]};
+}
+
+}  // namespace hax::ops

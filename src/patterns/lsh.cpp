@@ -1,0 +1,200 @@
+// LSH attention: hash queries and keys into buckets (causal centering, L2 normalization, a
+// Gaussian projection, sign-bit or argmax binning), then let every query see the most recent keys
+// of its bucket. The keys are sorted by (bucket, position) per sequence, so each query's keys are
+// one contiguous slice of that order, found by binary search: O(L log L + L·k), never all pairs.
+#include <cmath>
+
+#include "core/rng.h"
+#include "patterns/internal.h"
+#include "patterns/pattern.h"
+
+namespace hax::patterns {
+namespace {
+
+constexpr double kNormEps = 1e-12;  // L2 normalization divides by max(|v|, kNormEps)
+
+int64_t num_buckets(Binning binning, int64_t h) { return binning == Binning::kSign ? (int64_t)1 << h : h; }
+
+// Checks proj (N, h) against the last dimension N of x and the binning; returns h.
+int64_t check_proj(const char* op, const at::Tensor& proj, int64_t N, Binning binning) {
+  ops::check_rank(op, "proj", proj, 2, "(N, h)");
+  ops::check_floating(op, "proj", proj);
+  HAX_CHECK(proj.size(0) == N, "{}: proj has shape {} but its dim 0 must be the vector width N = {}", op,
+            ops::shape_str(proj.sizes()), N);
+  const int64_t h = proj.size(1);
+  if (binning == Binning::kSign)
+    HAX_CHECK(h >= 1 && h <= 30,
+              "{}: proj has h = {} columns but sign-bit binning needs 1..30 of them (2^h buckets, int32)", op, h);
+  else
+    HAX_CHECK(h >= 1 && h <= INT32_MAX, "{}: proj has h = {} columns but argmax binning needs 1..{}", op, h,
+              INT32_MAX);
+  return h;
+}
+
+void check_vectors(const char* op, const char* name, const at::Tensor& x) {
+  ops::check_rank(op, name, x, 4, "(B, L, H, N)");
+  ops::check_floating(op, name, x);
+  HAX_CHECK(x.size(1) <= INT32_MAX, "{}: {} has L = {} positions but key positions are int32 (<= {})", op, name,
+            x.size(1), INT32_MAX);
+  HAX_CHECK(x.size(3) >= 1, "{}: {} has shape {} but its vector width N (dim 3) must be at least 1", op, name,
+            ops::shape_str(x.sizes()));
+}
+
+template <class T>
+void buckets_kernel(const at::Tensor& x, const at::Tensor& proj, Binning binning, const at::Tensor& seq,
+                    at::Tensor& out) {
+  const int64_t B = x.size(0), L = x.size(1), H = x.size(2), N = x.size(3), h = proj.size(1);
+  const T* xp = x.data_ptr<T>();
+  const double* P = proj.data_ptr<double>();  // (N, h) row-major
+  int32_t* op = out.data_ptr<int32_t>();      // (B, L, H)
+  detail::for_each_row(B, H, L, seq, L * N * (h + 2), [&](int64_t b, int64_t hd, const auto& segs) {
+    std::vector<double> sum(N), c(N), p(h);
+    for (const auto& [s, e] : segs) {
+      std::fill(sum.begin(), sum.end(), 0.0);
+      for (int64_t i = s; i < e; ++i) {
+        const T* v = xp + ((b * L + i) * H + hd) * N;
+        const double cnt = (double)(i - s + 1);
+        for (int64_t n = 0; n < N; ++n) {
+          sum[n] += (double)v[n];
+          c[n] = (double)v[n] - sum[n] / cnt;  // centered by the causal running mean
+        }
+        double nrm = 0;
+        for (int64_t n = 0; n < N; ++n) nrm += c[n] * c[n];
+        const double inv = 1.0 / std::max(std::sqrt(nrm), kNormEps);
+        std::fill(p.begin(), p.end(), 0.0);
+        for (int64_t n = 0; n < N; ++n) {
+          const double cn = c[n] * inv;
+          const double* row = P + n * h;
+          for (int64_t j = 0; j < h; ++j) p[j] += cn * row[j];
+        }
+        int64_t bucket = 0;
+        if (binning == Binning::kSign) {
+          for (int64_t j = 0; j < h; ++j)
+            if (p[j] > 0) bucket |= (int64_t)1 << j;
+        } else {
+          for (int64_t j = 1; j < h; ++j)
+            if (p[j] > p[bucket]) bucket = j;
+        }
+        op[(b * L + i) * H + hd] = (int32_t)bucket;
+      }
+    }
+  });
+}
+
+// Buckets (B, L, H) int32 on the CPU; x and proj already checked.
+at::Tensor buckets_cpu(const at::Tensor& x0, const at::Tensor& proj0, Binning binning, const at::Tensor& seq) {
+  at::Tensor x = x0.detach().to(at::kCPU).contiguous();
+  at::Tensor proj = proj0.detach().to(at::kCPU, at::kDouble).contiguous();
+  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, at::TensorOptions().dtype(at::kInt));
+  if (x.scalar_type() == at::kDouble)
+    buckets_kernel<double>(x, proj, binning, seq, out);
+  else
+    buckets_kernel<float>(x, proj, binning, seq, out);
+  return out;
+}
+
+// The sort key of (bucket, position): ordering keys orders by bucket, then position.
+inline uint64_t pack(int64_t bucket, int64_t pos) { return ((uint64_t)bucket << 32) | (uint64_t)pos; }
+
+// Positions s..e-1 of `bucket` (strided by `stride`) sorted by (bucket, position) into `keys` as
+// packed sort keys: a stable counting sort when the buckets are few, else a comparison sort.
+void sort_by_bucket(const int32_t* bucket, int64_t stride, int64_t s, int64_t e, int64_t nb,
+                    std::vector<uint64_t>& keys, std::vector<int64_t>& counts) {
+  const int64_t n = e - s;
+  keys.resize(n);
+  if (nb <= 2 * n + 1024) {
+    counts.assign(nb + 1, 0);
+    for (int64_t i = s; i < e; ++i) ++counts[bucket[i * stride] + 1];
+    for (int64_t t = 0; t < nb; ++t) counts[t + 1] += counts[t];
+    for (int64_t i = s; i < e; ++i) {
+      const int64_t bk = bucket[i * stride];
+      keys[counts[bk]++] = pack(bk, i);
+    }
+  } else {
+    for (int64_t i = s; i < e; ++i) keys[i - s] = pack(bucket[i * stride], i);
+    std::sort(keys.begin(), keys.end());
+  }
+}
+
+}  // namespace
+
+Binning binning_from_string(const std::string& s) {
+  if (s == "sign") return Binning::kSign;
+  if (s == "argmax") return Binning::kArgmax;
+  fail("--lsh-binning \"{}\" is not a binning rule; it must be \"sign\" (2^h buckets) or \"argmax\" (h buckets)", s);
+}
+
+at::Tensor lsh_projection(int64_t N, int64_t h, uint64_t seed) {
+  HAX_CHECK(N >= 1, "lsh_projection: the vector width N = {} must be at least 1", N);
+  HAX_CHECK(h >= 1, "lsh_projection: the number of projections h = {} must be at least 1", h);
+  at::Tensor out = at::empty({N, h}, at::TensorOptions().dtype(at::kFloat));
+  float* p = out.data_ptr<float>();
+  const int64_t n = N * h;
+  Rng rng(seed);
+  // Box-Muller: two uniforms give two independent N(0, 1) draws.
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  for (int64_t i = 0; i < n; i += 2) {
+    const double u1 = 1.0 - rng.uniform();  // (0, 1]: log is finite
+    const double u2 = rng.uniform();
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    p[i] = (float)(r * std::cos(kTwoPi * u2));
+    if (i + 1 < n) p[i + 1] = (float)(r * std::sin(kTwoPi * u2));
+  }
+  return out;
+}
+
+at::Tensor lsh_buckets(const at::Tensor& x, const at::Tensor& proj, Binning binning, const at::Tensor& seq_idx) {
+  constexpr const char* kOp = "lsh_buckets";
+  check_vectors(kOp, "x", x);
+  check_proj(kOp, proj, x.size(3), binning);
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, x.size(0), x.size(1));
+  return detail::on(buckets_cpu(x, proj, binning, seq), x.device());
+}
+
+KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
+             const at::Tensor& seq_idx) {
+  constexpr const char* kOp = "lsh";
+  check_vectors(kOp, "q", q);
+  ops::check_shape(kOp, "k", k, q.sizes().vec(), "(B, L, H, N) like q");
+  ops::check_floating(kOp, "k", k);
+  detail::check_positive(kOp, "keys", keys);
+  const int64_t h = check_proj(kOp, proj, q.size(3), binning);
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), K = keys;
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L);
+  const at::Tensor bq = buckets_cpu(q, proj, binning, seq), bk = buckets_cpu(k, proj, binning, seq);
+  const int64_t nb = num_buckets(binning, h);
+
+  at::Tensor idx = detail::empty_lists(B, H, L, K);
+  at::Tensor q_order = at::empty({B, H, L}, at::TensorOptions().dtype(at::kInt));
+  const int32_t* bqp = bq.data_ptr<int32_t>();
+  const int32_t* bkp = bk.data_ptr<int32_t>();
+  int32_t* out = idx.data_ptr<int32_t>();
+  int32_t* qo = q_order.data_ptr<int32_t>();
+  detail::for_each_row(B, H, L, seq, L * (K + 16), [&](int64_t b, int64_t hd, const auto& segs) {
+    const int32_t* qb = bqp + b * L * H + hd;  // bucket of query i: qb[i * H]
+    const int32_t* kb = bkp + b * L * H + hd;
+    int32_t* row = out + (b * H + hd) * L * K;
+    int32_t* order = qo + (b * H + hd) * L;
+    std::vector<uint64_t> sorted;
+    std::vector<int64_t> counts;
+    for (const auto& [s, e] : segs) {
+      // Keys of this sequence by (bucket, position). Query i's keys are the entries of its bucket
+      // with position <= i: the slice [lower_bound(bucket, 0), upper_bound(bucket, i)); keep its last K.
+      sort_by_bucket(kb, H, s, e, nb, sorted, counts);
+      for (int64_t i = s; i < e; ++i) {
+        const int64_t bucket = qb[i * H];
+        const auto lo = std::lower_bound(sorted.begin(), sorted.end(), pack(bucket, 0));
+        const auto hi = std::upper_bound(lo, sorted.end(), pack(bucket, i));
+        const int64_t n = std::min<int64_t>(K, hi - lo);
+        int32_t* dst = row + i * K;
+        for (auto it = hi - n; it != hi; ++it) *dst++ = (int32_t)(uint32_t)*it;
+      }
+      // Queries of this sequence by (bucket, position).
+      sort_by_bucket(qb, H, s, e, nb, sorted, counts);
+      for (int64_t t = 0; t < e - s; ++t) order[s + t] = (int32_t)(uint32_t)sorted[t];
+    }
+  });
+  return {detail::on(idx, q.device()), detail::on(q_order, q.device())};
+}
+
+}  // namespace hax::patterns

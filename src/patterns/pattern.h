@@ -1,0 +1,63 @@
+// Sparse attention patterns: each decides *which* keys every query attends to, as index lists.
+// Patterns never compute attention (ops/attention does, over the lists they give).
+//
+// Every builder is causal (keys j <= i) and respects packed sequences: with seq_idx (B, L), a
+// query only ever sees keys of its own sequence, and positions count from that sequence's start
+// (so a packed row gives each sequence exactly the lists it would get alone).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace hax::patterns {
+
+struct KeyLists {
+  at::Tensor idx;      // (B, H, L, K) int32: ascending key positions, -1 padding after the last key
+  at::Tensor q_order;  // (B, H, L) int32: a permutation of the queries that puts queries sharing keys
+                       // next to each other (the attention op computes them together), or undefined
+};
+
+// SW: the k most recent keys, self included: j in [max(start, i - k + 1), i].
+KeyLists sliding_window(int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx);
+
+// Sink: the first k keys of the query's sequence that are <= i.
+KeyLists sink(int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx);
+
+// D (dilated, stride r): keys j <= i with (j - start) mod r = r - 1, the k most recent of them.
+KeyLists dilated(int64_t B, int64_t H, int64_t L, int64_t k, int64_t stride, const at::Tensor& seq_idx);
+
+// LSH bucketing rule: sign bits of the h projections read as a binary number (2^h buckets), or
+// the argmax over the h projections (h buckets).
+enum class Binning { kSign, kArgmax };
+Binning binning_from_string(const std::string& s);  // "sign" | "argmax" (UsageError otherwise)
+
+// The Gaussian projection H (N, h) of seed `seed`, drawn with hax's own generator (so a seed gives
+// the same hash on every machine). float32.
+at::Tensor lsh_projection(int64_t N, int64_t h, uint64_t seed);
+
+// Bucket of every vector of x (B, L, H, N): x is centered by its causal running mean (the mean of
+// x over positions start..i of its own sequence, never later ones), L2-normalized, projected by
+// proj (N, h) and binned. Returns (B, L, H) int32.
+at::Tensor lsh_buckets(const at::Tensor& x, const at::Tensor& proj, Binning binning, const at::Tensor& seq_idx);
+
+// LSH attention: query i attends to the k most recent keys j <= i whose key bucket equals its
+// query bucket. Found through a sort of the keys by (bucket, position): each query's keys are one
+// contiguous slice of that order, located by binary search. q_order sorts queries by
+// (bucket, position). q, k: (B, L, H, N).
+KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
+             const at::Tensor& seq_idx);
+
+// Key Selection: query i attends to the k keys of highest score among positions start..i (ties:
+// the earlier position wins), computed incrementally (the set changes by at most one key per
+// step). scores: (B, L, H).
+KeyLists top_k_prefix(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
+
+// The union of two patterns' lists for each query (duplicates removed, ascending), K = Ka + Kb
+// slots. q_order is a's if defined, else b's.
+KeyLists merge(const KeyLists& a, const KeyLists& b);
+
+// Number of keys of each query (B, H, L) int32 (entries != -1).
+at::Tensor key_counts(const KeyLists& lists);
+
+}  // namespace hax::patterns

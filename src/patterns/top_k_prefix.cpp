@@ -1,0 +1,73 @@
+// Key Selection: every query sees the k highest-scoring keys of its causal prefix (ties: the
+// earlier position). The selected set changes by at most one key per step, so it is kept
+// incrementally: a new key enters when the set is not full, or replaces the current worst member
+// when it scores higher. O(L·k) per (b, h), no per-query sort.
+#include <cmath>
+#include <limits>
+
+#include "patterns/internal.h"
+#include "patterns/pattern.h"
+
+namespace hax::patterns {
+namespace {
+
+template <class T>
+void top_k_kernel(const at::Tensor& scores, int64_t k, const at::Tensor& seq, at::Tensor& idx) {
+  const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2);
+  const T* sp = scores.data_ptr<T>();
+  int32_t* out = idx.data_ptr<int32_t>();
+  detail::for_each_row(B, H, L, seq, L * k, [&](int64_t b, int64_t h, const auto& segs) {
+    const T* sc = sp + b * L * H + h;  // score of position i: sc[i * H]
+    int32_t* row = out + (b * H + h) * L * k;
+    // The selected keys, ascending by position, and their scores.
+    std::vector<int32_t> pos(k);
+    std::vector<double> val(k);
+    for (const auto& [s, e] : segs) {
+      int64_t m = 0;      // number selected
+      int64_t worst = -1;  // index in pos/val of the member a newcomer must beat (when m == k)
+      for (int64_t i = s; i < e; ++i) {
+        double v = (double)sc[i * H];
+        if (std::isnan(v)) v = -std::numeric_limits<double>::infinity();  // NaN ranks lowest
+        bool changed = false;
+        if (m < k) {
+          pos[m] = (int32_t)i, val[m] = v, ++m;
+          changed = true;
+        } else if (v > val[worst]) {
+          // Drop the worst member; the newcomer, the latest position, goes last.
+          std::move(pos.begin() + worst + 1, pos.begin() + m, pos.begin() + worst);
+          std::move(val.begin() + worst + 1, val.begin() + m, val.begin() + worst);
+          pos[m - 1] = (int32_t)i, val[m - 1] = v;
+          changed = true;
+        }
+        if (changed && m == k) {
+          // The worst: the lowest score, and of equal scores the latest position (earlier wins).
+          worst = 0;
+          for (int64_t t = 1; t < m; ++t)
+            if (val[t] <= val[worst]) worst = t;
+        }
+        std::copy(pos.begin(), pos.begin() + m, row + i * k);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+KeyLists top_k_prefix(const at::Tensor& scores0, int64_t k, const at::Tensor& seq_idx) {
+  constexpr const char* kOp = "top_k_prefix";
+  ops::check_rank(kOp, "scores", scores0, 3, "(B, L, H)");
+  ops::check_floating(kOp, "scores", scores0);
+  detail::check_positive(kOp, "k", k);
+  const int64_t B = scores0.size(0), L = scores0.size(1), H = scores0.size(2);
+  detail::check_sizes(kOp, B, H, L);
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L);
+  const at::Tensor scores = scores0.detach().to(at::kCPU).contiguous();
+  at::Tensor idx = detail::empty_lists(B, H, L, k);
+  if (scores.scalar_type() == at::kDouble)
+    top_k_kernel<double>(scores, k, seq, idx);
+  else
+    top_k_kernel<float>(scores, k, seq, idx);
+  return {detail::on(idx, scores0.device()), at::Tensor()};
+}
+
+}  // namespace hax::patterns

@@ -1,0 +1,195 @@
+// Causal (sliding-window, packed) attention: the blocked online-softmax kernels against the dense
+// masked-softmax reference, gradients, long sequences, errors.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "op_harness.h"
+#include "ops/attention/attention.h"
+#include "ops/causal_attention/causal_attention.h"
+
+using namespace hax::testing;
+using hax::ops::causal_attention;
+using hax::ops::causal_attention_reference;
+
+namespace {
+
+struct CausalSize {
+  int64_t B, L, H, D, Dv, window;
+  bool packed;
+};
+
+std::string describe(const CausalSize& s) {
+  return ::testing::PrintToString(std::vector<int64_t>{s.B, s.L, s.H, s.D, s.Dv}) +
+         " window=" + std::to_string(s.window) + " packed=" + std::to_string(s.packed);
+}
+
+OpCase causal_case(CausalSize s) {
+  OpCase c;
+  c.name = "causal_attention " + describe(s);
+  c.make_inputs = [s](at::ScalarType dt) {
+    auto o = at::TensorOptions().dtype(dt);
+    Tensors in;
+    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // q
+    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // k
+    in.push_back(at::randn({s.B, s.L, s.H, s.Dv}, o).requires_grad_());  // v
+    in.push_back(s.packed ? random_packing(s.B, s.L, 0.05) : at::Tensor());
+    return in;
+  };
+  const double scale = 1.0 / std::sqrt(double(s.D));
+  const int64_t window = s.window;
+  c.op = [=](const Tensors& in) {
+    auto [out, lse] = causal_attention(in[0], in[1], in[2], in[3], window, scale);
+    return Tensors{out, lse};
+  };
+  c.reference = [=](const Tensors& in) {
+    auto [out, lse] = causal_attention_reference(in[0], in[1], in[2], in[3], window, scale);
+    return Tensors{out, lse};
+  };
+  return c;
+}
+
+}  // namespace
+
+TEST(CausalAttention, MatchesReferenceFloat64) {
+  torch::manual_seed(1);
+  const int64_t dims[] = {16, 32, 64};
+  int n = 0;
+  for (int64_t L : {1, 63, 97, 130})
+    for (int64_t window : {0, 1, 5, 64})
+      for (bool packed : {false, true}) {
+        const int64_t D = dims[n % 3], Dv = n % 2 ? D : dims[(n + 1) % 3];
+        ++n;
+        CausalSize s{2, L, 2, D, Dv, window, packed};
+        SCOPED_TRACE(describe(s));
+        expect_matches_reference(causal_case(s), at::kDouble, 1e-11, 1e-9);
+      }
+}
+
+TEST(CausalAttention, LongSequenceMatchesReferenceFloat64) {
+  torch::manual_seed(2);
+  for (int64_t window : {0, 64, 300})
+    for (bool packed : {false, true}) {
+      CausalSize s{1, 1025, 1, 32, 16, window, packed};
+      SCOPED_TRACE(describe(s));
+      expect_matches_reference(causal_case(s), at::kDouble, 1e-11, 1e-9);
+    }
+}
+
+TEST(CausalAttention, VeryLongSequenceForwardRowsFloat64) {
+  // L = 3000: a few rows recomputed directly in float64 from their visible keys.
+  torch::manual_seed(3);
+  const int64_t B = 2, L = 3000, H = 2, D = 64, Dv = 32;
+  auto o = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({B, L, H, D}, o), k = at::randn({B, L, H, D}, o), v = at::randn({B, L, H, Dv}, o);
+  at::Tensor q32 = q.to(at::kFloat), k32 = k.to(at::kFloat), v32 = v.to(at::kFloat);
+  const double scale = 0.125;
+  for (int64_t window : {0, 1, 5, 64})
+    for (bool packed : {false, true}) {
+      at::Tensor seq = packed ? random_packing(B, L, 0.002) : at::Tensor();
+      auto [out, lse] = causal_attention(q, k, v, seq, window, scale);
+      auto [out32, lse32] = causal_attention(q32, k32, v32, seq, window, scale);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i : {int64_t(0), int64_t(1), int64_t(63), int64_t(64), int64_t(1500), int64_t(2047),
+                          int64_t(2998), int64_t(2999)}) {
+          int64_t lo = window > 0 ? std::max<int64_t>(0, i - window + 1) : 0;
+          if (packed)
+            while (lo < i && seq[b][lo].item<int>() != seq[b][i].item<int>()) ++lo;
+          for (int64_t h = 0; h < H; ++h) {
+            at::Tensor kk = k[b].narrow(0, lo, i - lo + 1).select(1, h), vv = v[b].narrow(0, lo, i - lo + 1).select(1, h);
+            at::Tensor sc = at::matmul(kk, q[b][i][h]) * scale;  // (n)
+            at::Tensor ref_lse = at::logsumexp(sc, 0);
+            at::Tensor ref = at::matmul(at::softmax(sc, 0), vv);
+            EXPECT_LE(rel_err(out[b][i][h], ref, 1e-12, 1e-10), 1.0) << "row " << i << " window " << window;
+            EXPECT_LE(rel_err(lse[b][h][i], ref_lse, 1e-12, 1e-10), 1.0) << "row " << i;
+            EXPECT_LE(rel_err(out32[b][i][h], ref, 1e-4, 1e-3), 1.0) << "float32 row " << i;
+            EXPECT_LE(rel_err(lse32[b][h][i], ref_lse, 1e-4, 1e-4), 1.0) << "float32 row " << i;
+          }
+        }
+    }
+}
+
+TEST(CausalAttention, FiniteDifferenceGradients) {
+  torch::manual_seed(4);
+  expect_gradients_match_finite_differences(causal_case({2, 70, 2, 5, 3, 0, true}));
+  expect_gradients_match_finite_differences(causal_case({1, 150, 2, 4, 6, 20, false}));
+}
+
+TEST(CausalAttention, Float32CloseToFloat64Reference) {
+  torch::manual_seed(5);
+  expect_float32_close_to_reference(causal_case({2, 300, 2, 64, 64, 0, true}), 1e-4, 1e-3);
+  expect_float32_close_to_reference(causal_case({1, 257, 2, 32, 16, 50, false}), 1e-4, 1e-3);
+}
+
+TEST(CausalAttention, DeterministicAcrossThreadCounts) {
+  torch::manual_seed(6);
+  expect_deterministic_across_threads(causal_case({2, 400, 2, 32, 16, 0, true}));
+  expect_deterministic_across_threads(causal_case({1, 333, 3, 16, 32, 70, false}));
+}
+
+TEST(CausalAttention, EqualsSparseAttentionOnSlidingWindowLists) {
+  // The same function as sparse_attention over the lists {max(start, i-w+1) .. i}.
+  torch::manual_seed(7);
+  const int64_t B = 2, L = 200, H = 2, D = 16, Dv = 8, w = 24;
+  auto o = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({B, L, H, D}, o), k = at::randn({B, L, H, D}, o), v = at::randn({B, L, H, Dv}, o);
+  at::Tensor seq = random_packing(B, L, 0.05);
+  at::Tensor idx = at::full({B, H, L, w}, -1, at::kInt);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t t = 0; t < w && i - t >= 0; ++t)
+        if (seq[b][i - t].item<int>() == seq[b][i].item<int>()) idx.select(2, i).select(0, b).select(1, t).fill_(i - t);
+  auto [oc, lc] = causal_attention(q, k, v, seq, w, 0.3);
+  auto [os, ls] = hax::ops::sparse_attention(q, k, v, idx, {}, {}, {}, 0.3);
+  EXPECT_LE(rel_err(oc, os, 1e-12, 1e-10), 1.0);
+  EXPECT_LE(rel_err(lc, ls.squeeze(3), 1e-12, 1e-10), 1.0);
+}
+
+TEST(CausalAttention, BadInputsNameTheTensor) {
+  auto o = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor q = at::randn({1, 6, 2, 4}, o), k = at::randn({1, 6, 2, 4}, o), v = at::randn({1, 6, 2, 3}, o);
+  causal_attention(q, k, v, {}, 0, 0.5);  // valid
+  expect_usage_error([&] { causal_attention(q[0], k, v, {}, 0, 0.5); }, "q has shape [6, 2, 4]");
+  expect_usage_error([&] { causal_attention(q.to(at::kLong), k, v, {}, 0, 0.5); }, "q has dtype Long");
+  expect_usage_error([&] { causal_attention(q, k.narrow(1, 0, 5), v, {}, 0, 0.5); }, "k has shape [1, 5, 2, 4]");
+  expect_usage_error([&] { causal_attention(q, k, v.narrow(2, 0, 1), {}, 0, 0.5); }, "v has shape [1, 6, 1, 3]");
+  expect_usage_error([&] { causal_attention(q, k.to(at::kDouble), v, {}, 0, 0.5); }, "k has dtype Double");
+  expect_usage_error([&] { causal_attention(q, k, v.to(at::kDouble), {}, 0, 0.5); }, "v has dtype Double");
+  expect_usage_error([&] { causal_attention(q, k, v, at::zeros({1, 5}, at::kInt), 0, 0.5); }, "seq_idx has shape [1, 5]");
+  expect_usage_error([&] { causal_attention(q, k, v, at::tensor({0, 0, 1, 1, 0, 1}, at::kInt).view({1, 6}), 0, 0.5); },
+                     "non-decreasing");
+  expect_usage_error([&] { causal_attention(q, k, v, {}, -1, 0.5); }, "window -1 must be >= 0");
+  expect_usage_error([&] { causal_attention(q, k, v, {}, 0, 0.0); }, "scale 0 must be positive");
+  expect_usage_error([&] { causal_attention(q, k, at::Tensor(), {}, 0, 0.5); }, "v is missing");
+}
+
+// Timings for the report (float32, 2 threads, B = 1, H = 1, D = Dv = 64, window 0). Run with
+// --gtest_also_run_disabled_tests --gtest_filter='*Timing*'.
+TEST(CausalAttention, DISABLED_Timing) {
+  at::set_num_threads(2);
+  auto o = at::TensorOptions().dtype(at::kFloat);
+  for (int64_t L : {4096, 16384}) {
+    at::Tensor q = at::randn({1, L, 1, 64}, o).requires_grad_(), k = at::randn({1, L, 1, 64}, o).requires_grad_();
+    at::Tensor v = at::randn({1, L, 1, 64}, o).requires_grad_(), g = at::randn({1, L, 1, 64}, o);
+    auto best = [](auto&& fn) {
+      double b = 1e30;
+      for (int r = 0; r < 3; ++r) {
+        auto t0 = std::chrono::steady_clock::now();
+        fn();
+        b = std::min(b, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+      return b;
+    };
+    double fwd = best([&] {
+      torch::NoGradGuard ng;
+      causal_attention(q, k, v, {}, 0, 0.125);
+    });
+    double fb = best([&] {
+      auto [out, lse] = causal_attention(q, k, v, {}, 0, 0.125);
+      (out * g).sum().backward();
+    });
+    const double flop = 2.0 * L * (L + 1) / 2 * (64 + 64);  // QK^T and PV over the causal half
+    std::printf("causal_attention L=%lld: forward %.1f ms (%.0f GFLOP/s), forward+backward %.1f ms\n", (long long)L,
+                fwd, flop / fwd / 1e6, fb);
+  }
+}

@@ -1,0 +1,237 @@
+// Hybrid models (SSM + sparse attention branch) and Samba: causality for every variant, decoding,
+// packing, the Key Selection ranking loss, Q/K initialization from C/B.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "layers/key_scorer.h"
+#include "layers/mamba.h"
+#include "layers/mamba2.h"
+#include "models/lm.h"
+#include "op_harness.h"
+
+using hax::ForwardContext;
+using hax::LanguageModel;
+using hax::ModelConfig;
+using hax::testing::rel_err;
+
+namespace {
+
+// Every variant: (mixer, sparse).
+std::vector<std::pair<std::string, std::string>> all_variants() {
+  std::vector<std::pair<std::string, std::string>> v;
+  for (const char* m : {"mamba", "mamba2"})
+    for (const char* s : {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "full"}) v.push_back({m, s});
+  v.push_back({"samba", "none"});
+  return v;
+}
+
+ModelConfig hybrid_config(const std::string& mixer, const std::string& sparse) {
+  ModelConfig c;
+  c.mixer = mixer;
+  c.sparse = sparse;
+  c.vocab_size = 29;
+  c.d_model = 16;
+  c.n_layers = mixer == "samba" ? 4 : 2;
+  c.d_state = 6;
+  c.headdim = 8;
+  c.chunk_size = 16;
+  c.sparse_keys = 8;       // 4 per part in unions
+  c.lsh_bits = 2;          // few buckets, so same-bucket keys exist at short lengths
+  c.dilated_span = 12;     // dilated stride 12 / 4 = 3 in unions, 12 / 8 alone
+  c.swa_window = 5;
+  c.swa_heads = 2;
+  return c;
+}
+
+std::shared_ptr<LanguageModel> random_model(const ModelConfig& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto m = std::make_shared<LanguageModel>(c);
+  m->to(at::kDouble);
+  torch::NoGradGuard ng;
+  for (auto& p : m->parameters()) p.add_(at::randn_like(p) * 0.05);
+  return m;
+}
+
+std::string name_of(const std::pair<std::string, std::string>& v) { return v.first + "+" + v.second; }
+
+}  // namespace
+
+TEST(Hybrid, FutureTokensNeverChangePastOutputsForEveryVariant) {
+  for (const auto& v : all_variants()) {
+    auto m = random_model(hybrid_config(v.first, v.second), 11);
+    ForwardContext ctx;
+    ctx.seed = 5;
+    torch::NoGradGuard ng;
+    const int64_t L = 70;
+    at::Tensor ids = at::randint(0, 29, {2, L}, at::kLong);
+    at::Tensor base = m->forward(ids, {}, &ctx);
+    for (int64_t t : {0L, 9L, 33L, L - 2}) {
+      at::Tensor other = ids.clone();
+      other.narrow(1, t + 1, L - t - 1).random_(0, 29);
+      at::Tensor out = m->forward(other, {}, &ctx);
+      // Equal up to float64 summation order: the attention op groups queries into tiles by
+      // q_order (LSH sorts queries by bucket, future ones included), which can change the order
+      // in which a past query's terms are added, never which terms.
+      EXPECT_LE(rel_err(out.narrow(1, 0, t + 1), base.narrow(1, 0, t + 1), 1e-13, 1e-12), 1.0)
+          << name_of(v) << ": changing tokens after " << t << " changed outputs at or before it";
+    }
+  }
+}
+
+TEST(Hybrid, DecodingTokenByTokenEqualsForwardForEveryVariant) {
+  for (const auto& v : all_variants()) {
+    auto m = random_model(hybrid_config(v.first, v.second), 12);
+    ForwardContext ctx;
+    ctx.seed = 6;
+    torch::NoGradGuard ng;
+    const int64_t L = 41;
+    at::Tensor ids = at::randint(0, 29, {2, L}, at::kLong);
+    at::Tensor full = m->forward(ids, {}, &ctx);
+    auto states = m->zero_states(2);
+    for (auto& s : states) {
+      if (s.conv.defined()) s.conv = s.conv.to(at::kDouble);
+      if (s.ssm.defined()) s.ssm = s.ssm.to(at::kDouble);
+    }
+    for (int64_t t = 0; t < L; ++t) {
+      at::Tensor step = m->step(ids.select(1, t), states, &ctx);
+      ASSERT_LE(rel_err(step, full.select(1, t), 1e-9, 1e-7), 1.0) << name_of(v) << " t=" << t;
+    }
+  }
+}
+
+TEST(Hybrid, PackedSequencesEqualSeparateRunsForEveryVariant) {
+  const std::vector<int64_t> lens = {5, 1, 30, 17};
+  int64_t L = 0;
+  for (auto l : lens) L += l;
+  for (const auto& v : all_variants()) {
+    auto m = random_model(hybrid_config(v.first, v.second), 13);
+    ForwardContext ctx;
+    ctx.seed = 7;
+    torch::NoGradGuard ng;
+    at::Tensor ids = at::randint(0, 29, {1, L}, at::kLong);
+    at::Tensor seq = at::zeros({1, L}, at::kInt);
+    int64_t off = 0, id = 0;
+    for (auto l : lens) seq.narrow(1, off, l).fill_(id++), off += l;
+    at::Tensor packed = m->hidden(ids, seq, nullptr, &ctx);
+    off = 0;
+    for (auto l : lens) {
+      at::Tensor alone = m->hidden(ids.narrow(1, off, l), {}, nullptr, &ctx);
+      EXPECT_LE(rel_err(packed.narrow(1, off, l), alone, 1e-10, 1e-8), 1.0) << name_of(v) << " segment at " << off;
+      off += l;
+    }
+  }
+}
+
+TEST(Hybrid, TrainingGradientsReachEveryParameter) {
+  for (const auto& v : all_variants()) {
+    torch::manual_seed(14);
+    LanguageModel m(hybrid_config(v.first, v.second));
+    ForwardContext ctx;
+    ctx.training = true;
+    ctx.seed = 8;
+    at::Tensor ids = at::randint(0, 29, {2, 50}, at::kLong);
+    at::Tensor loss = m.forward(ids, {}, &ctx).logsumexp(-1).mean();
+    for (auto& r : ctx.ranking_losses) loss = loss + 0.1 * r;
+    loss.backward();
+    for (auto& [name, p] : m.state_tensors()) {
+      // The scorer's last bias shifts every score alike, and the ranking loss only sees score
+      // differences: it gets no gradient by construction (as in the reference).
+      if (name.find("scorer.l3.bias") != std::string::npos) continue;
+      ASSERT_TRUE(p.grad().defined()) << name_of(v) << ": " << name;
+      EXPECT_GT(p.grad().abs().sum().item<double>(), 0) << name_of(v) << ": " << name << " gets no gradient";
+    }
+  }
+}
+
+TEST(KeySelection, RankingLossEqualsItsFormula) {
+  torch::manual_seed(15);
+  const int64_t B = 2, L = 23, H = 2, N = 3, C = 5;
+  auto o = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({B, L, H, N}, o), k = at::randn({B, L, H, N}, o), scores = at::randn({B, L, H}, o);
+  at::Tensor seq = at::zeros({B, L}, at::kInt);
+  seq.narrow(1, 9, L - 9).fill_(1);
+  at::Tensor valid = at::ones({B, L}, at::kBool);
+  valid[1][L - 1] = false;
+  at::Tensor cand = at::stack({at::randperm(L, at::kLong).narrow(0, 0, C), at::randperm(L - 1, at::kLong).narrow(0, 0, C)});
+  double expect = 0;
+  int64_t terms = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<double> x(C), y(C, 0.0);
+      for (int64_t a = 0; a < C; ++a) {
+        const int64_t j = cand[b][a].item<int64_t>();
+        x[a] = scores[b][j][h].item<double>();
+        for (int64_t i = j; i < L; ++i) {
+          if (seq[b][i].item<int>() != seq[b][j].item<int>() || !valid[b][i].item<bool>()) continue;
+          y[a] += 1.0 / (1.0 + std::exp(-(q[b][i][h] * k[b][j][h]).sum().item<double>()));
+        }
+      }
+      for (int64_t a = 0; a < C; ++a)
+        for (int64_t c = 0; c < C; ++c) {
+          const double t = ((y[a] > y[c]) + (y[a] >= y[c])) / 2.0, z = x[a] - x[c];
+          expect += std::max(z, 0.0) - z * t + std::log1p(std::exp(-std::abs(z)));
+          ++terms;
+        }
+    }
+  expect /= terms;
+  at::Tensor got = hax::ranking_loss_at(scores, q, k, seq, valid, cand);
+  EXPECT_NEAR(got.item<double>(), expect, 1e-12);
+}
+
+TEST(KeySelection, RankingLossGradientReachesOnlyTheScorer) {
+  ModelConfig c = hybrid_config("mamba2", "hax");
+  torch::manual_seed(16);
+  LanguageModel m(c);
+  ForwardContext ctx;
+  ctx.training = true;
+  ctx.seed = 9;
+  at::Tensor ids = at::randint(0, 29, {2, 60}, at::kLong);
+  m.forward(ids, {}, &ctx);
+  ASSERT_EQ(ctx.ranking_losses.size(), 2u);
+  at::Tensor r = ctx.ranking_losses[0] + ctx.ranking_losses[1];
+  r.backward();
+  int scorer_params = 0;
+  for (auto& [name, p] : m.state_tensors()) {
+    const bool in_scorer = name.find(".scorer.") != std::string::npos;
+    const double g = p.grad().defined() ? p.grad().abs().sum().item<double>() : 0.0;
+    if (name.find("scorer.l3.bias") != std::string::npos) {
+      EXPECT_LT(g, 1e-6) << name;  // shifts all scores alike: invisible to a loss on differences
+    } else {
+      EXPECT_EQ(g > 0, in_scorer) << name;
+    }
+    scorer_params += in_scorer;
+  }
+  EXPECT_EQ(scorer_params, 2 * 6);  // two layers x three linear layers x (weight, bias)
+}
+
+TEST(Hybrid, QkInitFromSsmCandB) {
+  // Mamba: the branch's [K; Q] rows start as x_proj's B and C rows.
+  ModelConfig c = hybrid_config("mamba", "sw");
+  c.qk_init = "bc";
+  torch::manual_seed(17);
+  hax::MambaMixer mm(c, 0);
+  const int64_t R = c.dt_rank_resolved(), N = c.d_state;
+  EXPECT_TRUE(at::equal(mm.sparse->qk_proj->weight.narrow(0, 0, N), mm.x_proj->weight.narrow(0, R, N)));
+  EXPECT_TRUE(at::equal(mm.sparse->qk_proj->weight.narrow(0, N, N), mm.x_proj->weight.narrow(0, R + N, N)));
+  // Mamba-2: the branch reads the whole post-conv xBC and starts by selecting B (keys) and C (queries).
+  ModelConfig c2 = hybrid_config("mamba2", "sw");
+  c2.qk_init = "bc";
+  c2.ngroups = 1;
+  hax::Mamba2Mixer m2(c2, 0);
+  at::Tensor xbc = at::randn({1, 3, m2.conv_dim()});
+  auto [q, k] = m2.sparse->queries_keys(xbc);
+  const int64_t di = c2.d_inner();
+  EXPECT_TRUE(at::allclose(k.reshape({1, 3, N}), xbc.narrow(-1, di, N) / std::sqrt((double)N)));
+  EXPECT_TRUE(at::allclose(q.reshape({1, 3, N}), xbc.narrow(-1, di + N, N)));
+}
+
+TEST(Hybrid, LshHashIsFixedBySeedAndResampledAcrossSeeds) {
+  auto m = random_model(hybrid_config("mamba2", "lsh"), 18);
+  torch::NoGradGuard ng;
+  at::Tensor ids = at::randint(0, 29, {1, 80}, at::kLong);
+  ForwardContext a, b, c;
+  a.seed = b.seed = 1;
+  c.seed = 2;
+  EXPECT_TRUE(at::equal(m->forward(ids, {}, &a), m->forward(ids, {}, &b)));
+  EXPECT_FALSE(at::equal(m->forward(ids, {}, &a), m->forward(ids, {}, &c)));
+}

@@ -1,0 +1,710 @@
+// Sparse attention patterns (index lists) against brute-force versions of their definitions:
+// for every query, scan all keys j <= i, on fresh random inputs, with and without packed
+// sequences. Also: list invariants, packed rows equal each sequence alone, LSH buckets from the
+// float64 definition, causal centering, Key Selection ties, merge as a set union, the projection's
+// determinism and moments, argument errors, and the speed at L = 65536.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <set>
+#include <vector>
+
+#include "op_harness.h"
+#include "patterns/pattern.h"
+
+using namespace hax::testing;
+namespace pat = hax::patterns;
+
+namespace {
+
+const int64_t kLengths[] = {1, 63, 97, 1025};
+const int64_t kKs[] = {1, 7, 32, 64};
+
+// Random packing with a few sequences per row (about 4, of random lengths), or none.
+at::Tensor packing(int64_t B, int64_t L, bool packed) {
+  if (!packed) return at::Tensor();
+  return random_packing(B, L, std::min(0.25, 4.0 / std::max<int64_t>(L, 1)));
+}
+
+// The sequence number of every position, looked up naively (the oracle must not share the
+// builders' shortcuts).
+struct SeqIds {
+  std::vector<int32_t> id;  // (B, L)
+  int64_t L;
+  SeqIds(const at::Tensor& seq, int64_t B, int64_t L) : id(B * L, 0), L(L) {
+    if (seq.defined()) {
+      at::Tensor s = seq.to(at::kInt).contiguous();
+      std::copy(s.data_ptr<int32_t>(), s.data_ptr<int32_t>() + B * L, id.begin());
+    }
+  }
+  bool same(int64_t b, int64_t i, int64_t j) const { return id[b * L + i] == id[b * L + j]; }
+  // The first position of i's sequence: the smallest j with the same sequence number.
+  int64_t start(int64_t b, int64_t i) const {
+    int64_t s = i;
+    while (s > 0 && same(b, s - 1, i)) --s;
+    return s;
+  }
+};
+
+// (B, H, L, K) int32 lists from list_of(b, h, i) (ascending keys), -1 padded.
+at::Tensor build_lists(int64_t B, int64_t H, int64_t L, int64_t K,
+                       const std::function<std::vector<int64_t>(int64_t, int64_t, int64_t)>& list_of) {
+  at::Tensor out = at::full({B, H, L, K}, -1, at::kInt);
+  auto a = out.accessor<int32_t, 4>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i) {
+        std::vector<int64_t> keys = list_of(b, h, i);
+        EXPECT_LE((int64_t)keys.size(), K);
+        for (size_t t = 0; t < keys.size() && (int64_t)t < K; ++t) a[b][h][i][t] = (int32_t)keys[t];
+      }
+  return out;
+}
+
+// The last k entries of an ascending list.
+std::vector<int64_t> last_k(const std::vector<int64_t>& v, int64_t k) {
+  return std::vector<int64_t>(v.end() - std::min<int64_t>(k, v.size()), v.end());
+}
+
+// Every query has at most K keys, ascending without repeats, none in its future, none from
+// another sequence, padding only at the end.
+void expect_valid_lists(const at::Tensor& idx, const at::Tensor& seq, int64_t K) {
+  ASSERT_EQ(idx.dim(), 4);
+  ASSERT_EQ(idx.scalar_type(), at::kInt);
+  ASSERT_EQ(idx.size(3), K);
+  const int64_t B = idx.size(0), H = idx.size(1), L = idx.size(2);
+  SeqIds ids(seq, B, L);
+  auto a = idx.accessor<int32_t, 4>();
+  int64_t bad = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i) {
+        bool padding = false;
+        int64_t prev = -1;
+        for (int64_t t = 0; t < K; ++t) {
+          const int64_t j = a[b][h][i][t];
+          if (j == -1) {
+            padding = true;
+            continue;
+          }
+          const bool ok = !padding && j >= 0 && j <= i && j > prev && ids.same(b, i, j);
+          if (!ok && bad++ < 5)
+            ADD_FAILURE() << "bad key " << j << " in slot " << t << " of query " << i << " (b " << b << ", h " << h
+                          << ")";
+          prev = j;
+        }
+      }
+  EXPECT_EQ(bad, 0);
+}
+
+// Calls fn(b, s, e) for every packed sequence [s, e) of every row b.
+void for_each_sequence(const at::Tensor& seq, int64_t B, int64_t L,
+                       const std::function<void(int64_t, int64_t, int64_t)>& fn) {
+  SeqIds ids(seq, B, L);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t s = 0;
+    for (int64_t i = 1; i <= L; ++i) {
+      if (i < L && ids.same(b, i, s)) continue;
+      fn(b, s, i);
+      s = i;
+    }
+  }
+}
+
+// Row b of a packed batch (B, H, L, K) equals running each of its sequences alone: alone(b, s, e)
+// gives the lists (1, H, e - s, K) of positions s..e-1 run alone (positions from 0).
+void expect_packed_equals_alone(const at::Tensor& packed, const at::Tensor& seq,
+                                const std::function<at::Tensor(int64_t, int64_t, int64_t)>& alone) {
+  for_each_sequence(seq, packed.size(0), packed.size(2), [&](int64_t b, int64_t s, int64_t e) {
+    at::Tensor a = alone(b, s, e).select(0, 0);
+    at::Tensor shifted = at::where(a >= 0, a + (int32_t)s, a);
+    at::Tensor got = packed[b].narrow(1, s, e - s);
+    EXPECT_TRUE(at::equal(got, shifted)) << "row " << b << ", sequence at " << s << ".." << e - 1;
+  });
+}
+
+std::string trace(int64_t L, int64_t k, bool packed) {
+  return "L=" + std::to_string(L) + " k=" + std::to_string(k) + " packed=" + std::to_string(packed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float64 LSH buckets from the definition: center by the mean of start..i, normalize, project,
+// bin. Also returns each bucket's margin (how far the decision is from flipping).
+struct BruteBuckets {
+  at::Tensor bucket;  // (B, L, H) int32
+  at::Tensor margin;  // (B, L, H) float64
+};
+
+BruteBuckets brute_buckets(const at::Tensor& x0, const at::Tensor& proj0, pat::Binning binning,
+                           const at::Tensor& seq) {
+  at::Tensor x = x0.to(at::kDouble).contiguous(), P = proj0.to(at::kDouble).contiguous();
+  const int64_t B = x.size(0), L = x.size(1), H = x.size(2), N = x.size(3), h = P.size(1);
+  SeqIds ids(seq, B, L);
+  auto xa = x.accessor<double, 4>();
+  auto pa = P.accessor<double, 2>();
+  BruteBuckets r{at::empty({B, L, H}, at::kInt), at::empty({B, L, H}, at::kDouble)};
+  auto ba = r.bucket.accessor<int32_t, 3>();
+  auto ma = r.margin.accessor<double, 3>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hd = 0; hd < H; ++hd)
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t s = ids.start(b, i);
+        std::vector<double> c(N);
+        double nrm = 0;
+        for (int64_t n = 0; n < N; ++n) {
+          double sum = 0;
+          for (int64_t j = s; j <= i; ++j) sum += xa[b][j][hd][n];
+          c[n] = xa[b][i][hd][n] - sum / (double)(i - s + 1);
+          nrm += c[n] * c[n];
+        }
+        nrm = std::max(std::sqrt(nrm), 1e-12);
+        std::vector<double> p(h, 0.0);
+        for (int64_t j = 0; j < h; ++j)
+          for (int64_t n = 0; n < N; ++n) p[j] += c[n] / nrm * pa[n][j];
+        int64_t bucket = 0;
+        double margin = std::numeric_limits<double>::infinity();
+        if (binning == pat::Binning::kSign) {
+          for (int64_t j = 0; j < h; ++j) {
+            if (p[j] > 0) bucket += (int64_t)1 << j;
+            margin = std::min(margin, std::abs(p[j]));
+          }
+        } else {
+          for (int64_t j = 0; j < h; ++j)
+            if (p[j] > p[bucket]) bucket = j;
+          for (int64_t j = 0; j < h; ++j)
+            if (j != bucket) margin = std::min(margin, p[bucket] - p[j]);
+        }
+        ba[b][i][hd] = (int32_t)bucket;
+        ma[b][i][hd] = margin;
+      }
+  return r;
+}
+
+// Brute-force LSH lists from the buckets: for each query scan all j <= i of its sequence and keep
+// the `keys` most recent with bucket_k(j) = bucket_q(i).
+at::Tensor brute_lsh(const at::Tensor& bq, const at::Tensor& bk, int64_t keys, const at::Tensor& seq) {
+  const int64_t B = bq.size(0), L = bq.size(1), H = bq.size(2);
+  SeqIds ids(seq, B, L);
+  auto qa = bq.accessor<int32_t, 3>();
+  auto ka = bk.accessor<int32_t, 3>();
+  return build_lists(B, H, L, keys, [&](int64_t b, int64_t h, int64_t i) {
+    std::vector<int64_t> all;
+    for (int64_t j = 0; j <= i; ++j)
+      if (ids.same(b, i, j) && ka[b][j][h] == qa[b][i][h]) all.push_back(j);
+    return last_k(all, keys);
+  });
+}
+
+// Brute-force Key Selection: all j <= i of the sequence ranked by (score desc, position asc), the
+// first k, ascending.
+at::Tensor brute_top_k(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
+  at::Tensor scores = scores0.to(at::kDouble).contiguous();
+  const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2);
+  SeqIds ids(seq, B, L);
+  auto sa = scores.accessor<double, 3>();
+  return build_lists(B, H, L, k, [&](int64_t b, int64_t h, int64_t i) {
+    std::vector<std::pair<double, int64_t>> all;  // (-score, j): ascending = best first
+    for (int64_t j = 0; j <= i; ++j)
+      if (ids.same(b, i, j)) all.emplace_back(-sa[b][j][h], j);
+    const size_t n = std::min<size_t>(k, all.size());
+    std::partial_sort(all.begin(), all.begin() + n, all.end());
+    std::vector<int64_t> keys;
+    for (size_t t = 0; t < n; ++t) keys.push_back(all[t].second);
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Context-independent patterns.
+
+TEST(PatternSlidingWindow, MatchesBruteForce) {
+  torch::manual_seed(101);
+  const int64_t B = 2, H = 2;
+  for (int64_t L : kLengths)
+    for (int64_t k : kKs)
+      for (bool packed : {false, true}) {
+        SCOPED_TRACE(trace(L, k, packed));
+        at::Tensor seq = packing(B, L, packed);
+        SeqIds ids(seq, B, L);
+        at::Tensor want = build_lists(B, H, L, k, [&](int64_t b, int64_t, int64_t i) {
+          std::vector<int64_t> keys;
+          for (int64_t j = 0; j <= i; ++j)
+            if (ids.same(b, i, j) && i - j < k) keys.push_back(j);
+          return keys;
+        });
+        pat::KeyLists got = pat::sliding_window(B, H, L, k, seq);
+        EXPECT_FALSE(got.q_order.defined());
+        expect_valid_lists(got.idx, seq, k);
+        EXPECT_TRUE(at::equal(got.idx, want));
+        if (packed)
+          expect_packed_equals_alone(got.idx, seq, [&](int64_t, int64_t s, int64_t e) {
+            return pat::sliding_window(1, H, e - s, k, at::Tensor()).idx;
+          });
+      }
+}
+
+TEST(PatternSink, MatchesBruteForce) {
+  torch::manual_seed(102);
+  const int64_t B = 2, H = 2;
+  for (int64_t L : kLengths)
+    for (int64_t k : kKs)
+      for (bool packed : {false, true}) {
+        SCOPED_TRACE(trace(L, k, packed));
+        at::Tensor seq = packing(B, L, packed);
+        SeqIds ids(seq, B, L);
+        at::Tensor want = build_lists(B, H, L, k, [&](int64_t b, int64_t, int64_t i) {
+          std::vector<int64_t> keys;
+          const int64_t s = ids.start(b, i);
+          for (int64_t j = 0; j <= i; ++j)
+            if (ids.same(b, i, j) && j - s < k) keys.push_back(j);
+          return keys;
+        });
+        pat::KeyLists got = pat::sink(B, H, L, k, seq);
+        expect_valid_lists(got.idx, seq, k);
+        EXPECT_TRUE(at::equal(got.idx, want));
+        if (packed)
+          expect_packed_equals_alone(got.idx, seq, [&](int64_t, int64_t s, int64_t e) {
+            return pat::sink(1, H, e - s, k, at::Tensor()).idx;
+          });
+      }
+}
+
+TEST(PatternDilated, MatchesBruteForce) {
+  torch::manual_seed(103);
+  const int64_t B = 2, H = 2;
+  for (int64_t L : kLengths)
+    for (int64_t k : kKs)
+      for (int64_t r : {1, 2, 5})
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE(trace(L, k, packed) + " stride=" + std::to_string(r));
+          at::Tensor seq = packing(B, L, packed);
+          SeqIds ids(seq, B, L);
+          at::Tensor want = build_lists(B, H, L, k, [&](int64_t b, int64_t, int64_t i) {
+            std::vector<int64_t> keys;
+            const int64_t s = ids.start(b, i);
+            for (int64_t j = 0; j <= i; ++j)
+              if (ids.same(b, i, j) && (j - s) % r == r - 1) keys.push_back(j);
+            return last_k(keys, k);
+          });
+          pat::KeyLists got = pat::dilated(B, H, L, k, r, seq);
+          expect_valid_lists(got.idx, seq, k);
+          EXPECT_TRUE(at::equal(got.idx, want));
+          if (packed)
+            expect_packed_equals_alone(got.idx, seq, [&](int64_t, int64_t s, int64_t e) {
+              return pat::dilated(1, H, e - s, k, r, at::Tensor()).idx;
+            });
+        }
+}
+
+TEST(PatternDilated, StrideOneIsSlidingWindow) {
+  at::Tensor seq = random_packing(2, 300, 0.02);
+  EXPECT_TRUE(at::equal(pat::dilated(2, 3, 300, 16, 1, seq).idx, pat::sliding_window(2, 3, 300, 16, seq).idx));
+}
+
+TEST(PatternBasics, EmptyAndSmallShapes) {
+  pat::KeyLists z = pat::sliding_window(2, 3, 0, 4, at::Tensor());
+  EXPECT_EQ(z.idx.sizes().vec(), (std::vector<int64_t>{2, 3, 0, 4}));
+  // K is always k, even where the sequence is shorter: the attention op sees a fixed K.
+  pat::KeyLists s = pat::sink(1, 1, 3, 8, at::Tensor());
+  EXPECT_EQ(s.idx.sizes().vec(), (std::vector<int64_t>{1, 1, 3, 8}));
+  EXPECT_TRUE(at::equal(pat::key_counts(s).flatten(), at::tensor({1, 2, 3}, at::kInt)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// LSH.
+
+TEST(PatternLshProjection, DeterministicBySeedAndStandardNormal) {
+  at::Tensor a = pat::lsh_projection(256, 64, 7), b = pat::lsh_projection(256, 64, 7);
+  at::Tensor c = pat::lsh_projection(256, 64, 8);
+  EXPECT_EQ(a.scalar_type(), at::kFloat);
+  EXPECT_EQ(a.sizes().vec(), (std::vector<int64_t>{256, 64}));
+  EXPECT_TRUE(at::equal(a, b));
+  EXPECT_FALSE(at::equal(a, c));
+  // An odd count (the last Box-Muller pair is half used) is fine too.
+  EXPECT_EQ(pat::lsh_projection(3, 1, 1).sizes().vec(), (std::vector<int64_t>{3, 1}));
+  EXPECT_TRUE(at::isfinite(a).all().item<bool>());
+  // 16384 draws: loose moment checks of N(0, 1).
+  at::Tensor d = a.to(at::kDouble);
+  const double mean = d.mean().item<double>(), var = d.var().item<double>();
+  const double skew = ((d - mean).pow(3).mean() / std::pow(var, 1.5)).item<double>();
+  const double kurt = ((d - mean).pow(4).mean() / (var * var)).item<double>();
+  EXPECT_NEAR(mean, 0.0, 0.05);
+  EXPECT_NEAR(var, 1.0, 0.05);
+  EXPECT_NEAR(skew, 0.0, 0.1);
+  EXPECT_NEAR(kurt, 3.0, 0.2);
+  const double within1 = (d.abs() < 1).to(at::kDouble).mean().item<double>();
+  EXPECT_NEAR(within1, 0.6827, 0.02);
+}
+
+TEST(PatternLshBuckets, MatchFloat64Definition) {
+  torch::manual_seed(111);
+  const int64_t B = 2, H = 2, N = 8;
+  struct Rule {
+    pat::Binning binning;
+    int64_t h;
+  };
+  for (Rule rule : {Rule{pat::Binning::kSign, 3}, Rule{pat::Binning::kSign, 12}, Rule{pat::Binning::kArgmax, 5},
+                    Rule{pat::Binning::kArgmax, 1}})
+    for (at::ScalarType dt : {at::kFloat, at::kDouble})
+      for (int64_t L : kLengths)
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE("L=" + std::to_string(L) + " h=" + std::to_string(rule.h) +
+                       " packed=" + std::to_string(packed) +
+                       (rule.binning == pat::Binning::kSign ? " sign " : " argmax ") + c10::toString(dt));
+          at::Tensor seq = packing(B, L, packed);
+          // A per-feature offset, so centering matters.
+          at::Tensor x = (at::randn({B, L, H, N}, at::kDouble) + 3 * at::randn({N}, at::kDouble)).to(dt);
+          at::Tensor proj = pat::lsh_projection(N, rule.h, 1000 + L);
+          at::Tensor got = pat::lsh_buckets(x, proj, rule.binning, seq);
+          ASSERT_EQ(got.sizes().vec(), (std::vector<int64_t>{B, L, H}));
+          ASSERT_EQ(got.scalar_type(), at::kInt);
+          BruteBuckets want = brute_buckets(x, proj, rule.binning, seq);
+          // Equal, except where the decision is within rounding of flipping (never seen in practice).
+          at::Tensor differ = got.ne(want.bucket);
+          EXPECT_EQ(differ.logical_and(want.margin > 1e-9).sum().item<int64_t>(), 0);
+          const int64_t nb = rule.binning == pat::Binning::kSign ? (1 << rule.h) : rule.h;
+          EXPECT_TRUE((got >= 0).all().item<bool>());
+          EXPECT_TRUE((got < nb).all().item<bool>());
+          if (L > 60 && nb > 1) {
+            EXPECT_LT(got.min().item<int32_t>(), got.max().item<int32_t>());
+          }
+          if (packed)
+            for_each_sequence(seq, B, L, [&](int64_t b, int64_t s, int64_t e) {
+              at::Tensor a = pat::lsh_buckets(x[b].narrow(0, s, e - s).unsqueeze(0), proj, rule.binning, at::Tensor());
+              EXPECT_TRUE(at::equal(a[0], got[b].narrow(0, s, e - s))) << "row " << b << ", sequence at " << s;
+            });
+        }
+}
+
+TEST(PatternLshBuckets, CenteringIsCausal) {
+  torch::manual_seed(112);
+  const int64_t B = 2, L = 200, H = 2, N = 6;
+  at::Tensor proj = pat::lsh_projection(N, 4, 3);
+  for (pat::Binning binning : {pat::Binning::kSign, pat::Binning::kArgmax}) {
+    at::Tensor x = at::randn({B, L, H, N}) + 2 * at::randn({N});
+    at::Tensor b0 = pat::lsh_buckets(x, proj, binning, at::Tensor());
+    int64_t changed_later = 0;
+    for (int64_t t : {0, 1, 17, 100, 198}) {
+      at::Tensor x2 = x.clone();
+      x2.narrow(1, t + 1, L - t - 1).copy_(at::randn({B, L - t - 1, H, N}) * 5 + 7);
+      at::Tensor b2 = pat::lsh_buckets(x2, proj, binning, at::Tensor());
+      EXPECT_TRUE(at::equal(b2.narrow(1, 0, t + 1), b0.narrow(1, 0, t + 1))) << "changing x after " << t;
+      changed_later += b2.narrow(1, t + 1, L - t - 1).ne(b0.narrow(1, t + 1, L - t - 1)).sum().item<int64_t>();
+    }
+    EXPECT_GT(changed_later, 0);  // the test itself can see a change
+  }
+  // The first position of every sequence centers to zero: sign bucket 0, argmax column 0.
+  at::Tensor x = at::randn({1, 5, 1, N});
+  at::Tensor seq = at::tensor({0, 0, 1, 1, 1}, at::kInt).view({1, 5});
+  at::Tensor bs = pat::lsh_buckets(x, proj, pat::Binning::kSign, seq);
+  EXPECT_EQ(bs[0][0][0].item<int32_t>(), 0);
+  EXPECT_EQ(bs[0][2][0].item<int32_t>(), 0);
+  at::Tensor ba = pat::lsh_buckets(x, proj, pat::Binning::kArgmax, seq);
+  EXPECT_EQ(ba[0][0][0].item<int32_t>(), 0);
+  EXPECT_EQ(ba[0][2][0].item<int32_t>(), 0);
+}
+
+TEST(PatternLshBuckets, SignBitsAreColumns) {
+  // A two-position sequence: x1 - mean = (x1 - x0) / 2, so the bucket of position 1 is read off
+  // the signs of (x1 - x0) · proj. With proj = identity, bit b = (x1 - x0)_b > 0.
+  at::Tensor proj = at::eye(3, at::kFloat);
+  at::Tensor x = at::tensor({0.f, 0.f, 0.f, 1.f, -1.f, 2.f}, at::kFloat).view({1, 2, 1, 3});
+  at::Tensor b = pat::lsh_buckets(x, proj, pat::Binning::kSign, at::Tensor());
+  EXPECT_EQ(b[0][1][0].item<int32_t>(), 1 + 4);
+  at::Tensor a = pat::lsh_buckets(x, proj, pat::Binning::kArgmax, at::Tensor());
+  EXPECT_EQ(a[0][1][0].item<int32_t>(), 2);
+  // Argmax ties go to the lowest column.
+  at::Tensor y = at::tensor({0.f, 0.f, 0.f, 1.f, -1.f, 1.f}, at::kFloat).view({1, 2, 1, 3});
+  EXPECT_EQ(pat::lsh_buckets(y, proj, pat::Binning::kArgmax, at::Tensor())[0][1][0].item<int32_t>(), 0);
+}
+
+namespace {
+
+// q_order of every (b, h) row is a permutation of 0..L-1, sorted by (sequence, bucket, position).
+void expect_q_order(const at::Tensor& q_order, const at::Tensor& bq, const at::Tensor& seq) {
+  const int64_t B = bq.size(0), L = bq.size(1), H = bq.size(2);
+  ASSERT_EQ(q_order.sizes().vec(), (std::vector<int64_t>{B, H, L}));
+  ASSERT_EQ(q_order.scalar_type(), at::kInt);
+  SeqIds ids(seq, B, L);
+  auto o = q_order.accessor<int32_t, 3>();
+  auto q = bq.accessor<int32_t, 3>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<int64_t> seen(L, 0);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t i = o[b][h][t];
+        ASSERT_TRUE(i >= 0 && i < L);
+        ++seen[i];
+        if (t > 0) {
+          const int64_t p = o[b][h][t - 1];
+          auto key = [&](int64_t x) { return std::make_tuple(ids.id[b * L + x], q[b][x][h], x); };
+          EXPECT_LT(key(p), key(i)) << "q_order not sorted at " << t;
+        }
+      }
+      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), L) << "q_order is not a permutation";
+    }
+}
+
+}  // namespace
+
+TEST(PatternLsh, MatchesBruteForce) {
+  torch::manual_seed(121);
+  const int64_t B = 2, H = 2, N = 8;
+  struct Rule {
+    pat::Binning binning;
+    int64_t h;
+  };
+  // 8 and 5 buckets (crowded buckets: the k-most-recent cut matters), and 2^20 buckets (the
+  // comparison-sort path).
+  for (Rule rule : {Rule{pat::Binning::kSign, 3}, Rule{pat::Binning::kArgmax, 5}, Rule{pat::Binning::kSign, 20}})
+    for (int64_t L : kLengths)
+      for (int64_t k : kKs)
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE(trace(L, k, packed) + " h=" + std::to_string(rule.h));
+          at::Tensor seq = packing(B, L, packed);
+          at::Tensor q = at::randn({B, L, H, N});
+          // Keys near the queries in half the positions, so buckets often agree.
+          at::Tensor kk = at::where(at::rand({B, L, H, 1}) < 0.5, q + 0.1 * at::randn({B, L, H, N}),
+                                    at::randn({B, L, H, N}));
+          at::Tensor proj = pat::lsh_projection(N, rule.h, 77 + k);
+          pat::KeyLists got = pat::lsh(q, kk, k, proj, rule.binning, seq);
+          at::Tensor bq = pat::lsh_buckets(q, proj, rule.binning, seq);
+          at::Tensor bk = pat::lsh_buckets(kk, proj, rule.binning, seq);
+          expect_valid_lists(got.idx, seq, k);
+          EXPECT_TRUE(at::equal(got.idx, brute_lsh(bq, bk, k, seq)));
+          expect_q_order(got.q_order, bq, seq);
+          if (packed) {
+            auto alone = [&](int64_t b, int64_t s, int64_t e) {
+              return pat::lsh(q[b].narrow(0, s, e - s).unsqueeze(0), kk[b].narrow(0, s, e - s).unsqueeze(0), k, proj,
+                              rule.binning, at::Tensor());
+            };
+            expect_packed_equals_alone(got.idx, seq, [&](int64_t b, int64_t s, int64_t e) { return alone(b, s, e).idx; });
+            expect_packed_equals_alone(got.q_order.unsqueeze(-1), seq, [&](int64_t b, int64_t s, int64_t e) {
+              return alone(b, s, e).q_order.unsqueeze(-1);
+            });
+          }
+          if (L == 1025 && k == 7 && rule.h == 3) {
+            // Crowded buckets: many queries have exactly k keys, so the cut was exercised.
+            EXPECT_GT(pat::key_counts(got).eq(k).sum().item<int64_t>(), B * H * L / 2);
+          }
+        }
+}
+
+TEST(PatternLsh, DoubleInputsAndThreads) {
+  torch::manual_seed(122);
+  at::Tensor q = at::randn({2, 500, 3, 16}, at::kDouble), k = at::randn({2, 500, 3, 16}, at::kDouble);
+  at::Tensor proj = pat::lsh_projection(16, 4, 5);
+  at::Tensor seq = random_packing(2, 500, 0.01);
+  const int before = at::get_num_threads();
+  at::set_num_threads(1);
+  pat::KeyLists a = pat::lsh(q, k, 16, proj, pat::Binning::kSign, seq);
+  at::set_num_threads(2);
+  pat::KeyLists b = pat::lsh(q, k, 16, proj, pat::Binning::kSign, seq);
+  at::set_num_threads(before);
+  EXPECT_TRUE(at::equal(a.idx, b.idx));
+  EXPECT_TRUE(at::equal(a.q_order, b.q_order));
+  at::Tensor bq = pat::lsh_buckets(q, proj, pat::Binning::kSign, seq);
+  at::Tensor bk = pat::lsh_buckets(k, proj, pat::Binning::kSign, seq);
+  EXPECT_TRUE(at::equal(a.idx, brute_lsh(bq, bk, 16, seq)));
+  // Identical queries and keys: every query's own position is its last key.
+  pat::KeyLists self = pat::lsh(q, q, 16, proj, pat::Binning::kArgmax, seq);
+  at::Tensor cnt = pat::key_counts(self).to(at::kLong);
+  at::Tensor last = self.idx.gather(3, (cnt - 1).unsqueeze(-1)).squeeze(-1);
+  EXPECT_TRUE(at::equal(last, at::arange(500, at::kInt).expand({2, 3, 500})));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key Selection (top-k over the causal prefix).
+
+TEST(PatternTopKPrefix, MatchesBruteForce) {
+  torch::manual_seed(131);
+  const int64_t B = 2, H = 2;
+  for (at::ScalarType dt : {at::kFloat, at::kDouble})
+    for (bool ties : {false, true})
+      for (int64_t L : kLengths)
+        for (int64_t k : kKs)
+          for (bool packed : {false, true}) {
+            SCOPED_TRACE(trace(L, k, packed) + " ties=" + std::to_string(ties) + " " + c10::toString(dt));
+            at::Tensor seq = packing(B, L, packed);
+            // ties: integer scores 0..3, so most comparisons are ties.
+            at::Tensor scores = ties ? at::randint(0, 4, {B, L, H}).to(dt) : at::randn({B, L, H}, dt);
+            pat::KeyLists got = pat::top_k_prefix(scores, k, seq);
+            EXPECT_FALSE(got.q_order.defined());
+            expect_valid_lists(got.idx, seq, k);
+            EXPECT_TRUE(at::equal(got.idx, brute_top_k(scores, k, seq)));
+            if (packed)
+              expect_packed_equals_alone(got.idx, seq, [&](int64_t b, int64_t s, int64_t e) {
+                return pat::top_k_prefix(scores[b].narrow(0, s, e - s).unsqueeze(0), k, at::Tensor()).idx;
+              });
+          }
+}
+
+TEST(PatternTopKPrefix, TiesGoToTheEarlierPosition) {
+  const int64_t L = 50, k = 6;
+  at::Tensor seq = at::cat({at::zeros({20}, at::kInt), at::ones({30}, at::kInt)}).view({1, L});
+  // All equal: the first k keys of each sequence (= sink).
+  at::Tensor flat = at::full({1, L, 2}, 0.5);
+  EXPECT_TRUE(at::equal(pat::top_k_prefix(flat, k, seq).idx, pat::sink(1, 2, L, k, seq).idx));
+  // Increasing: the k most recent (= sliding window); decreasing: the first k.
+  at::Tensor up = at::arange(L, at::kFloat).view({1, L, 1});
+  EXPECT_TRUE(at::equal(pat::top_k_prefix(up, k, seq).idx, pat::sliding_window(1, 1, L, k, seq).idx));
+  EXPECT_TRUE(at::equal(pat::top_k_prefix(-up, k, seq).idx, pat::sink(1, 1, L, k, seq).idx));
+  // A hand example, k = 2: scores 1 3 3 2 3 -> {0}, {0,1}, {1,2}, {1,2}, {1,2}.
+  at::Tensor s = at::tensor({1.0, 3.0, 3.0, 2.0, 3.0}, at::kDouble).view({1, 5, 1});
+  at::Tensor got = pat::top_k_prefix(s, 2, at::Tensor()).idx.view({5, 2});
+  at::Tensor want = at::tensor({0, -1, 0, 1, 1, 2, 1, 2, 1, 2}, at::kInt).view({5, 2});
+  EXPECT_TRUE(at::equal(got, want)) << got;
+  // A newcomer beating tied members evicts the later of them: 2 2 3, k = 2 -> {0}, {0,1}, {0,2}.
+  at::Tensor t = at::tensor({2.0, 2.0, 3.0}, at::kDouble).view({1, 3, 1});
+  at::Tensor gt = pat::top_k_prefix(t, 2, at::Tensor()).idx.view({3, 2});
+  EXPECT_TRUE(at::equal(gt, at::tensor({0, -1, 0, 1, 0, 2}, at::kInt).view({3, 2}))) << gt;
+  // NaN ranks lowest.
+  at::Tensor n = at::tensor({NAN, 1.0, NAN, -5.0}, at::kDouble).view({1, 4, 1});
+  at::Tensor gn = pat::top_k_prefix(n, 2, at::Tensor()).idx.view({4, 2});
+  EXPECT_TRUE(at::equal(gn, at::tensor({0, -1, 0, 1, 0, 1, 1, 3}, at::kInt).view({4, 2}))) << gn;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Merge and counts.
+
+TEST(PatternMerge, IsASetUnion) {
+  torch::manual_seed(141);
+  const int64_t B = 2, H = 3, N = 8;
+  for (int64_t L : kLengths)
+    for (bool packed : {false, true}) {
+      SCOPED_TRACE(trace(L, 0, packed));
+      at::Tensor seq = packing(B, L, packed);
+      at::Tensor q = at::randn({B, L, H, N}), k = at::randn({B, L, H, N});
+      pat::KeyLists a = pat::lsh(q, k, 32, pat::lsh_projection(N, 3, 9), pat::Binning::kSign, seq);
+      pat::KeyLists b = pat::top_k_prefix(at::randn({B, L, H}), 7, seq);
+      pat::KeyLists m = pat::merge(a, b);
+      ASSERT_EQ(m.idx.sizes().vec(), (std::vector<int64_t>{B, H, L, 39}));
+      expect_valid_lists(m.idx, seq, 39);
+      auto ai = a.idx.accessor<int32_t, 4>(), bi = b.idx.accessor<int32_t, 4>();
+      at::Tensor want = build_lists(B, H, L, 39, [&](int64_t bb, int64_t h, int64_t i) {
+        std::set<int64_t> u;
+        for (int64_t t = 0; t < 32; ++t)
+          if (ai[bb][h][i][t] >= 0) u.insert(ai[bb][h][i][t]);
+        for (int64_t t = 0; t < 7; ++t)
+          if (bi[bb][h][i][t] >= 0) u.insert(bi[bb][h][i][t]);
+        return std::vector<int64_t>(u.begin(), u.end());
+      });
+      EXPECT_TRUE(at::equal(m.idx, want));
+      EXPECT_TRUE(at::equal(m.q_order, a.q_order));
+      EXPECT_TRUE(at::equal(pat::merge(b, a).idx, want));
+      EXPECT_TRUE(at::equal(pat::merge(b, a).q_order, a.q_order));
+      EXPECT_FALSE(pat::merge(b, b).q_order.defined());
+      EXPECT_TRUE(at::equal(pat::key_counts(m), (want >= 0).sum(-1).to(at::kInt)));
+    }
+  // A = SW ∪ Sink, against its definition.
+  at::Tensor seq = random_packing(1, 400, 0.01);
+  SeqIds ids(seq, 1, 400);
+  at::Tensor want = build_lists(1, 1, 400, 16, [&](int64_t, int64_t, int64_t i) {
+    std::vector<int64_t> keys;
+    const int64_t s = ids.start(0, i);
+    for (int64_t j = 0; j <= i; ++j)
+      if (ids.same(0, i, j) && (i - j < 8 || j - s < 8)) keys.push_back(j);
+    return keys;
+  });
+  EXPECT_TRUE(at::equal(pat::merge(pat::sliding_window(1, 1, 400, 8, seq), pat::sink(1, 1, 400, 8, seq)).idx, want));
+}
+
+TEST(PatternKeyCounts, CountsNonPadding) {
+  at::Tensor seq = random_packing(2, 100, 0.05);
+  SeqIds ids(seq, 2, 100);
+  at::Tensor c = pat::key_counts(pat::sliding_window(2, 2, 100, 10, seq));
+  ASSERT_EQ(c.sizes().vec(), (std::vector<int64_t>{2, 2, 100}));
+  EXPECT_EQ(c.scalar_type(), at::kInt);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t i = 0; i < 100; ++i) EXPECT_EQ(c[b][1][i].item<int32_t>(), std::min<int64_t>(10, i - ids.start(b, i) + 1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors.
+
+TEST(PatternErrors, BadArgumentsNameTheArgument) {
+  at::Tensor none;
+  expect_usage_error([&] { pat::sliding_window(1, 1, 8, 0, none); }, "k = 0");
+  expect_usage_error([&] { pat::sink(1, 1, 8, -3, none); }, "k = -3");
+  expect_usage_error([&] { pat::dilated(1, 1, 8, 0, 2, none); }, "k = 0");
+  expect_usage_error([&] { pat::dilated(1, 1, 8, 4, 0, none); }, "stride = 0");
+  expect_usage_error([&] { pat::sliding_window(1, 1, -1, 4, none); }, "L = -1");
+  expect_usage_error([&] { pat::sliding_window(2, 1, 8, 4, at::zeros({2, 7}, at::kInt)); }, "seq_idx");
+  expect_usage_error([&] { pat::sink(1, 1, 3, 4, at::tensor({0, 1, 0}, at::kInt).view({1, 3})); }, "non-decreasing");
+  expect_usage_error([&] { pat::sink(1, 1, 3, 4, at::zeros({1, 3})); }, "seq_idx has dtype");
+
+  at::Tensor q = at::randn({1, 10, 2, 4}), proj = pat::lsh_projection(4, 3, 1);
+  expect_usage_error([&] { pat::lsh(q, q, 0, proj, pat::Binning::kSign, none); }, "keys = 0");
+  expect_usage_error([&] { pat::lsh(q, at::randn({1, 10, 2, 5}), 4, proj, pat::Binning::kSign, none); },
+                     "k has shape");
+  expect_usage_error([&] { pat::lsh(q.view({10, 2, 4}), q, 4, proj, pat::Binning::kSign, none); }, "q has shape");
+  expect_usage_error([&] { pat::lsh(q, q, 4, pat::lsh_projection(5, 3, 1), pat::Binning::kSign, none); }, "proj");
+  expect_usage_error([&] { pat::lsh(q, q, 4, pat::lsh_projection(4, 31, 1), pat::Binning::kSign, none); }, "1..30");
+  expect_usage_error([&] { pat::lsh(q, q, 4, proj.view({-1}), pat::Binning::kSign, none); }, "proj");
+  expect_usage_error([&] { pat::lsh(q.to(at::kInt), q, 4, proj, pat::Binning::kSign, none); }, "q has dtype");
+  expect_usage_error([&] { pat::lsh(q, q, 4, proj, pat::Binning::kSign, at::zeros({1, 9}, at::kInt)); }, "seq_idx");
+  expect_usage_error([&] { pat::lsh_buckets(q.to(at::kLong), proj, pat::Binning::kArgmax, none); }, "x has dtype");
+  expect_usage_error([&] { pat::lsh_buckets(q, at::empty({4, 0}), pat::Binning::kArgmax, none); }, "h = 0");
+  expect_usage_error([&] { pat::lsh_projection(0, 4, 1); }, "N = 0");
+  expect_usage_error([&] { pat::lsh_projection(4, 0, 1); }, "h = 0");
+
+  expect_usage_error([&] { pat::top_k_prefix(at::randn({1, 10, 2}), 0, none); }, "k = 0");
+  expect_usage_error([&] { pat::top_k_prefix(at::randn({10, 2}), 4, none); }, "scores");
+  expect_usage_error([&] { pat::top_k_prefix(at::ones({1, 10, 2}, at::kInt), 4, none); }, "scores has dtype");
+
+  pat::KeyLists a = pat::sliding_window(1, 2, 10, 4, none), b = pat::sliding_window(1, 2, 11, 4, none);
+  expect_usage_error([&] { pat::merge(a, b); }, "b.idx");
+  expect_usage_error([&] { pat::merge(a, pat::KeyLists{}); }, "b.idx");
+  expect_usage_error([&] { pat::key_counts(pat::KeyLists{}); }, "idx");
+
+  EXPECT_EQ(pat::binning_from_string("sign"), pat::Binning::kSign);
+  EXPECT_EQ(pat::binning_from_string("argmax"), pat::Binning::kArgmax);
+  expect_usage_error([&] { pat::binning_from_string("hamming"); }, "--lsh-binning");
+  expect_usage_error([&] { pat::binning_from_string("hamming"); }, "hamming");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Speed (printed, not asserted): L = 65536, H = 1, N = 32, k = 64.
+
+TEST(PatternSpeed, LshAndTopKAtLongLength) {
+  torch::manual_seed(151);
+  const int64_t L = 65536, N = 32, k = 64;
+  at::Tensor q = at::randn({1, L, 1, N}), kk = at::randn({1, L, 1, N});
+  auto time = [](const char* what, const std::function<pat::KeyLists()>& fn) {
+    fn();  // warm
+    const auto t0 = std::chrono::steady_clock::now();
+    pat::KeyLists r = fn();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("[ timing ] %-44s %8.2f ms  (mean keys/query %.1f)\n", what, ms,
+                pat::key_counts(r).to(at::kDouble).mean().item<double>());
+    return r;
+  };
+  time("lsh sign h=8 (256 buckets)", [&] {
+    return pat::lsh(q, kk, k, pat::lsh_projection(N, 8, 1), pat::Binning::kSign, at::Tensor());
+  });
+  time("lsh sign h=20 (sort path)", [&] {
+    return pat::lsh(q, kk, k, pat::lsh_projection(N, 20, 1), pat::Binning::kSign, at::Tensor());
+  });
+  time("lsh argmax h=64", [&] {
+    return pat::lsh(q, kk, k, pat::lsh_projection(N, 64, 1), pat::Binning::kArgmax, at::Tensor());
+  });
+  {
+    at::Tensor proj = pat::lsh_projection(N, 8, 1);
+    pat::lsh_buckets(q, proj, pat::Binning::kSign, at::Tensor());
+    const auto t0 = std::chrono::steady_clock::now();
+    pat::lsh_buckets(q, proj, pat::Binning::kSign, at::Tensor());
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("[ timing ] %-44s %8.2f ms\n", "lsh_buckets sign h=8 (one of q, k)", ms);
+  }
+  at::Tensor scores = at::randn({1, L, 1});
+  time("top_k_prefix random scores", [&] { return pat::top_k_prefix(scores, k, at::Tensor()); });
+  at::Tensor up = at::arange(L, at::kFloat).view({1, L, 1});
+  time("top_k_prefix increasing scores (worst case)", [&] { return pat::top_k_prefix(up, k, at::Tensor()); });
+  time("sliding_window", [&] { return pat::sliding_window(1, 1, L, k, at::Tensor()); });
+}
