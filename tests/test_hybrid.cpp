@@ -235,3 +235,34 @@ TEST(Hybrid, LshHashIsFixedBySeedAndResampledAcrossSeeds) {
   EXPECT_TRUE(at::equal(m->forward(ids, {}, &a), m->forward(ids, {}, &b)));
   EXPECT_FALSE(at::equal(m->forward(ids, {}, &a), m->forward(ids, {}, &c)));
 }
+
+TEST(Hybrid, SlidingWindowCoveringTheSequenceEqualsFullAttention) {
+  // With k >= L a sliding window sees every earlier key: the sw and full variants must agree
+  // (outputs and gradients), packed or not, through two different attention ops.
+  for (const char* mixer : {"mamba", "mamba2"}) {
+    ModelConfig cs = hybrid_config(mixer, "sw"), cf = hybrid_config(mixer, "full");
+    cs.sparse_keys = 64;
+    auto ms = random_model(cs, 19), mf = random_model(cf, 20);
+    {
+      torch::NoGradGuard ng;
+      auto src = ms->state_tensors();
+      for (auto& [name, p] : mf->state_tensors()) p.copy_(src.at(name));
+    }
+    const int64_t L = 50;
+    at::Tensor ids = at::randint(0, 29, {2, L}, at::kLong);
+    at::Tensor seq = at::zeros({2, L}, at::kInt);
+    seq.narrow(1, 20, 30).fill_(1);
+    for (bool packed : {false, true}) {
+      at::Tensor hs = ms->hidden(ids, packed ? seq : at::Tensor()), hf = mf->hidden(ids, packed ? seq : at::Tensor());
+      EXPECT_LE(rel_err(hs, hf, 1e-10, 1e-8), 1.0) << mixer << " packed=" << packed;
+      at::Tensor w = at::randn_like(hs);
+      (hs * w).sum().backward();
+      (hf * w).sum().backward();
+      auto ps = ms->state_tensors(), pf = mf->state_tensors();
+      for (auto& [name, p] : ps)
+        EXPECT_LE(rel_err(p.grad(), pf.at(name).grad(), 1e-10, 1e-8), 1.0) << mixer << " packed=" << packed << " " << name;
+      ms->zero_grad();
+      mf->zero_grad();
+    }
+  }
+}

@@ -50,8 +50,10 @@ void ModelConfig::validate() const {
     HAX_CHECK(lsh_bits >= 1 && lsh_bits <= 30, "--lsh-bits {} must be in 1..30", lsh_bits);
     HAX_CHECK(lsh_binning == "sign" || lsh_binning == "argmax", "--lsh-binning {} is unknown; choose sign or argmax",
               lsh_binning);
-    HAX_CHECK(dilated_span >= keys_per_part(), "--dilated-span {} must be at least the keys per part {}",
-              dilated_span, keys_per_part());
+    const auto names = sparse_parts();
+    if (std::find(names.begin(), names.end(), "d") != names.end())
+      HAX_CHECK(dilated_span >= keys_per_part(), "--dilated-span {} must be at least the keys per part {}",
+                dilated_span, keys_per_part());
     HAX_CHECK(ks_hidden >= 0, "--ks-hidden {} must be >= 0 (0 uses 2 * qk-dim)", ks_hidden);
     HAX_CHECK(ks_candidates >= 0, "--ks-candidates {} must be >= 0 (0 uses the keys per part)", ks_candidates);
   }
