@@ -266,3 +266,28 @@ TEST(Hybrid, SlidingWindowCoveringTheSequenceEqualsFullAttention) {
     }
   }
 }
+
+// The scorer's query input normalize(Σ_{p=start..j} q_p), written as a direct loop, on packed rows.
+TEST(KeySelection, PrefixQueryDirectionEqualsItsFormula) {
+  torch::manual_seed(16);
+  for (int64_t L : {1, 63, 97, 1025})
+    for (at::ScalarType dt : {at::kDouble, at::kFloat}) {
+      const int64_t B = 2, H = 3, N = 5;
+      at::Tensor q = at::randn({B, L, H, N}, at::TensorOptions().dtype(dt));
+      at::Tensor seq = hax::testing::random_packing(B, L, 0.05);
+      at::Tensor got = hax::prefix_query_direction(q, seq).to(at::kDouble);
+      at::Tensor qd = q.to(at::kDouble), expect = at::empty_like(qd);
+      for (int64_t b = 0; b < B; ++b) {
+        at::Tensor sum = at::zeros({H, N}, at::kDouble);
+        for (int64_t i = 0; i < L; ++i) {
+          if (i > 0 && seq[b][i].item<int>() != seq[b][i - 1].item<int>()) sum.zero_();
+          sum += qd[b][i];
+          expect[b][i] = sum / sum.norm(2, -1, true).clamp_min(1e-12);
+        }
+      }
+      const double tol = dt == at::kDouble ? 1e-12 : 1e-6;
+      EXPECT_LE(rel_err(got, expect, tol, tol), 1.0) << "L " << L;
+      at::Tensor generic = hax::segment_cumsum(qd, seq);  // the tensor formula used off the CPU
+      EXPECT_LE(rel_err(generic / generic.norm(2, -1, true).clamp_min(1e-12), expect, 1e-12, 1e-12), 1.0);
+    }
+}

@@ -1,8 +1,11 @@
 #include "layers/key_scorer.h"
+#include "layers/project.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/rng.h"
+#include "patterns/internal.h"
 
 namespace hax {
 
@@ -31,13 +34,53 @@ at::Tensor segment_cumsum(const at::Tensor& x, const at::Tensor& seq_idx) {
   return cs - before;
 }
 
+namespace {
+
+// qs (B, L, H, N) = normalize(Σ_{p=start..j} q_p) on the CPU in one pass per (b, h) row, the sum
+// accumulated in double; seq is the checked seq_idx or undefined.
+template <class T>
+void prefix_direction_cpu(const at::Tensor& q, const at::Tensor& seq, at::Tensor& out) {
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), N = q.size(3);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  patterns::detail::for_each_row(B, H, L, seq, L * N * 4, [&](int64_t b, int64_t hd, const auto& segs) {
+    std::vector<double> sum(N);
+    for (const auto& [s, e] : segs) {
+      std::fill(sum.begin(), sum.end(), 0.0);
+      for (int64_t i = s; i < e; ++i) {
+        const int64_t at = ((b * L + i) * H + hd) * N;
+        double nrm = 0;
+        for (int64_t n = 0; n < N; ++n) sum[n] += (double)qp[at + n], nrm += sum[n] * sum[n];
+        const double inv = 1.0 / std::max(std::sqrt(nrm), kDirectionEps);
+        for (int64_t n = 0; n < N; ++n) op[at + n] = (T)(sum[n] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor prefix_query_direction(const at::Tensor& q0, const at::Tensor& seq_idx) {
+  at::Tensor q = q0.detach();
+  if (!q.device().is_cpu() || !(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble)) {
+    at::Tensor qs = segment_cumsum(q, seq_idx);
+    return qs / qs.norm(2, -1, true).clamp_min(kDirectionEps);
+  }
+  q = q.contiguous();
+  const at::Tensor seq = ops::check_seq_idx("prefix_query_direction", seq_idx, q.size(0), q.size(1));
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kDouble)
+    prefix_direction_cpu<double>(q, seq, out);
+  else
+    prefix_direction_cpu<float>(q, seq, out);
+  return out;
+}
+
 at::Tensor KeyScorer::forward(const at::Tensor& k, const at::Tensor& q, const at::Tensor& seq_idx) {
-  at::Tensor qs = segment_cumsum(q.detach(), seq_idx);
-  qs = qs / qs.norm(2, -1, true).clamp_min(1e-12);
-  at::Tensor h = at::cat({k.detach(), qs}, -1);  // (B, L, H, 2N)
-  h = at::relu(l1->forward(h));
-  h = at::relu(l2->forward(h));
-  return l3->forward(h).squeeze(-1);  // (B, L, H)
+  at::Tensor h = at::cat({k.detach(), prefix_query_direction(q, seq_idx)}, -1);  // (B, L, H, 2N)
+  h = at::relu(project(l1, h));
+  h = at::relu(project(l2, h));
+  return project(l3, h).squeeze(-1);  // (B, L, H)
 }
 
 at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,

@@ -24,6 +24,12 @@ class KeyScorer : public torch::nn::Module {
 // Σ_{p = start..j} x_p along dim 1 (B, L, ...), restarted at each packed sequence's start.
 at::Tensor segment_cumsum(const at::Tensor& x, const at::Tensor& seq_idx);
 
+constexpr double kDirectionEps = 1e-12;  // normalize divides by max(|v|, kDirectionEps)
+
+// The scorer's query input, without gradient: normalize(segment_cumsum(q)) for q (B, L, H, N).
+// One fused pass on the CPU (float32/float64), the tensor formula elsewhere.
+at::Tensor prefix_query_direction(const at::Tensor& q, const at::Tensor& seq_idx);
+
 // The ranking loss of the scores (B, L, H) against q, k (B, L, H, N): `candidates` distinct
 // positions per row drawn with hax::Rng(seed) among the valid ones (valid (B, L) bool or
 // undefined). Differentiable in scores only.

@@ -1,4 +1,5 @@
 #include "layers/mamba.h"
+#include "layers/project.h"
 
 #include <cmath>
 
@@ -46,12 +47,12 @@ MambaMixer::MambaMixer(const ModelConfig& c, int64_t layer)
 at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state,
                                ForwardContext* ctx) {
   const int64_t B = x.size(0), L = x.size(1);
-  at::Tensor xz = in_proj->forward(x);
+  at::Tensor xz = project(in_proj, x);
   at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
   auto [xc, conv_final] = ops::causal_conv1d(xin, conv_weight.view({d_inner_, W_}), conv_bias,
                                              state ? state->conv : at::Tensor(), seq_idx, /*silu=*/true);
-  at::Tensor xdbl = x_proj->forward(xc);
-  at::Tensor delta = at::softplus(dt_proj->forward(xdbl.narrow(-1, 0, R_)));
+  at::Tensor xdbl = project(x_proj, xc);
+  at::Tensor delta = at::softplus(project(dt_proj, xdbl.narrow(-1, 0, R_)));
   at::Tensor Bm = xdbl.narrow(-1, R_, N_).reshape({B, L, 1, N_});
   at::Tensor Cm = xdbl.narrow(-1, R_ + N_, N_).reshape({B, L, 1, N_});
   auto [y, ssm_final] =
@@ -63,7 +64,7 @@ at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, M
     state->conv = conv_final;
     state->ssm = ssm_final;
   }
-  return out_proj->forward(y);
+  return project(out_proj, y);
 }
 
 MixerState MambaMixer::zero_state(int64_t batch, const at::TensorOptions& opts) const {
@@ -74,20 +75,20 @@ MixerState MambaMixer::zero_state(int64_t batch, const at::TensorOptions& opts) 
 }
 
 at::Tensor MambaMixer::step(const at::Tensor& x, MixerState& st, const ForwardContext* ctx) {
-  at::Tensor xz = in_proj->forward(x);
+  at::Tensor xz = project(in_proj, x);
   at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
   at::Tensor window = at::cat({st.conv, xin.unsqueeze(1)}, 1);  // (B, W, d_inner)
   at::Tensor xc = at::silu((window * conv_weight.view({d_inner_, W_}).t().unsqueeze(0)).sum(1) + conv_bias);
   st.conv = window.narrow(1, 1, W_ - 1).contiguous();
-  at::Tensor xdbl = x_proj->forward(xc);
-  at::Tensor delta = at::softplus(dt_proj->forward(xdbl.narrow(-1, 0, R_)));  // (B, d_inner)
+  at::Tensor xdbl = project(x_proj, xc);
+  at::Tensor delta = at::softplus(project(dt_proj, xdbl.narrow(-1, 0, R_)));  // (B, d_inner)
   at::Tensor Bm = xdbl.narrow(-1, R_, N_), Cm = xdbl.narrow(-1, R_ + N_, N_);  // (B, N)
   at::Tensor decay = at::exp(delta.unsqueeze(-1) * -at::exp(A_log));         // (B, d_inner, N)
   st.ssm = st.ssm * decay + (delta * xc).unsqueeze(-1) * Bm.unsqueeze(1);
   at::Tensor y = (st.ssm * Cm.unsqueeze(1)).sum(-1) + xc * D;
   if (sparse) y = y + sparse->step(xc, xc, st, ctx);
   st.pos += 1;
-  return out_proj->forward(y * at::silu(z));
+  return project(out_proj, y * at::silu(z));
 }
 
 }  // namespace hax

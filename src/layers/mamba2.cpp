@@ -1,4 +1,5 @@
 #include "layers/mamba2.h"
+#include "layers/project.h"
 
 #include <cmath>
 
@@ -44,8 +45,8 @@ Mamba2Mixer::Mamba2Mixer(const ModelConfig& c, int64_t layer)
   }
 }
 
-Mamba2Mixer::Projected Mamba2Mixer::project(const at::Tensor& x) {
-  at::Tensor zxbcdt = in_proj->forward(x);
+Mamba2Mixer::Projected Mamba2Mixer::project_input(const at::Tensor& x) {
+  at::Tensor zxbcdt = project(in_proj, x);
   const int64_t cd = conv_dim();
   return {zxbcdt.narrow(-1, 0, d_inner_), zxbcdt.narrow(-1, d_inner_, cd), zxbcdt.narrow(-1, d_inner_ + cd, H_)};
 }
@@ -57,7 +58,7 @@ at::Tensor Mamba2Mixer::qk_input(const at::Tensor& xBC) const {
 at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state,
                                 ForwardContext* ctx) {
   const int64_t B = x.size(0), L = x.size(1);
-  Projected pr = project(x);
+  Projected pr = project_input(x);
   at::Tensor conv_init = state ? state->conv : at::Tensor();
   auto [xBC, conv_final] =
       ops::causal_conv1d(pr.xBC, conv_weight.view({conv_dim(), W_}), conv_bias, conv_init, seq_idx, /*silu=*/true);
@@ -75,7 +76,7 @@ at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, 
     state->conv = conv_final;
     state->ssm = ssm_final;
   }
-  return out_proj->forward(y);
+  return project(out_proj, y);
 }
 
 MixerState Mamba2Mixer::zero_state(int64_t batch, const at::TensorOptions& opts) const {
@@ -87,7 +88,7 @@ MixerState Mamba2Mixer::zero_state(int64_t batch, const at::TensorOptions& opts)
 
 at::Tensor Mamba2Mixer::step(const at::Tensor& x, MixerState& st, const ForwardContext* ctx) {
   const int64_t B = x.size(0);
-  Projected pr = project(x);  // (B, ·)
+  Projected pr = project_input(x);  // (B, ·)
   // Causal conv over the window [last W-1 inputs, this input].
   at::Tensor window = at::cat({st.conv, pr.xBC.unsqueeze(1)}, 1);  // (B, W, C)
   at::Tensor xBC = at::silu((window * conv_weight.view({conv_dim(), W_}).t().unsqueeze(0)).sum(1) + conv_bias);
@@ -103,7 +104,7 @@ at::Tensor Mamba2Mixer::step(const at::Tensor& x, MixerState& st, const ForwardC
   if (sparse) y = y + sparse->step(qk_input(xBC), xflat, st, ctx);
   y = ops::rmsnorm(y, pr.z, norm_weight, eps_, d_inner_ / G_);
   st.pos += 1;
-  return out_proj->forward(y);
+  return project(out_proj, y);
 }
 
 }  // namespace hax

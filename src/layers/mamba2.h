@@ -22,7 +22,7 @@ class Mamba2Mixer : public Mixer {
   struct Projected {
     at::Tensor z, xBC, dt;  // (B, L, d_inner), (B, L, conv_dim), (B, L, H)
   };
-  Projected project(const at::Tensor& x);
+  Projected project_input(const at::Tensor& x);
   int64_t conv_dim() const { return d_inner_ + 2 * G_ * N_; }
 
   torch::nn::Linear in_proj{nullptr}, out_proj{nullptr};

@@ -1,4 +1,5 @@
 #include "layers/mlp.h"
+#include "layers/project.h"
 
 #include <cmath>
 
@@ -15,7 +16,7 @@ SwiGluMlp::SwiGluMlp(int64_t d, int64_t hidden, int64_t n_layers) {
 }
 
 at::Tensor SwiGluMlp::forward(const at::Tensor& x) {
-  return w2->forward(at::silu(w1->forward(x)) * w3->forward(x));
+  return project(w2, at::silu(project(w1, x)) * project(w3, x));
 }
 
 }  // namespace hax

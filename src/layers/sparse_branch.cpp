@@ -1,4 +1,5 @@
 #include "layers/sparse_branch.h"
+#include "layers/project.h"
 
 #include <algorithm>
 #include <cmath>
@@ -22,7 +23,7 @@ SparseAttentionBranch::SparseAttentionBranch(const ModelConfig& c, int64_t qk_in
 
 std::pair<at::Tensor, at::Tensor> SparseAttentionBranch::queries_keys(const at::Tensor& qk_in) {
   const int64_t B = qk_in.size(0), L = qk_in.size(1);
-  at::Tensor kq = qk_proj->forward(qk_in);
+  at::Tensor kq = project(qk_proj, qk_in);
   at::Tensor k = kq.narrow(-1, 0, H_ * N_).reshape({B, L, H_, N_}) / std::sqrt((double)N_);
   at::Tensor q = kq.narrow(-1, H_ * N_, H_ * N_).reshape({B, L, H_, N_});
   return {q, k};
@@ -104,9 +105,9 @@ at::Tensor SparseAttentionBranch::step(const at::Tensor& qk_in, const at::Tensor
       // The new key's score: the scorer on [k_t, normalize(Σ_{p<=t} q_p)].
       at::Tensor qs = st.q_sum / st.q_sum.norm(2, -1, true).clamp_min(1e-12);
       at::Tensor h = at::cat({k.squeeze(1).detach(), qs}, -1);
-      h = at::relu(scorer->l1->forward(h));
-      h = at::relu(scorer->l2->forward(h));
-      append(st.key_scores, scorer->l3->forward(h).view({B, 1, H_}));
+      h = at::relu(project(scorer->l1, h));
+      h = at::relu(project(scorer->l2, h));
+      append(st.key_scores, project(scorer->l3, h).view({B, 1, H_}));
       scores = st.key_scores;
     }
     at::Tensor qs_all;  // every past query, for LSH's causal centering

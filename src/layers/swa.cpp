@@ -1,4 +1,5 @@
 #include "layers/swa.h"
+#include "layers/project.h"
 
 #include <cmath>
 
@@ -24,11 +25,11 @@ at::Tensor SlidingWindowAttention::forward(const at::Tensor& x, const at::Tensor
                                            ForwardContext*) {
   const int64_t B = x.size(0), L = x.size(1);
   at::Tensor pos = positions_in_sequence(B, L, seq_idx, x.device());
-  at::Tensor q = apply_rope(q_proj->forward(x).view({B, L, H_, Dh_}), pos, theta_);
-  at::Tensor k = apply_rope(k_proj->forward(x).view({B, L, H_, Dh_}), pos, theta_);
-  at::Tensor v = v_proj->forward(x).view({B, L, H_, Dh_});
+  at::Tensor q = apply_rope(project(q_proj, x).view({B, L, H_, Dh_}), pos, theta_);
+  at::Tensor k = apply_rope(project(k_proj, x).view({B, L, H_, Dh_}), pos, theta_);
+  at::Tensor v = project(v_proj, x).view({B, L, H_, Dh_});
   at::Tensor o = std::get<0>(ops::causal_attention(q, k, v, seq_idx, window_, 1.0 / std::sqrt((double)Dh_)));
-  return o_proj->forward(o.reshape({B, L, d_}));
+  return project(o_proj, o.reshape({B, L, d_}));
 }
 
 MixerState SlidingWindowAttention::zero_state(int64_t, const at::TensorOptions&) const { return {}; }
@@ -36,9 +37,9 @@ MixerState SlidingWindowAttention::zero_state(int64_t, const at::TensorOptions&)
 at::Tensor SlidingWindowAttention::step(const at::Tensor& x, MixerState& st, const ForwardContext*) {
   const int64_t B = x.size(0), t = st.pos;
   at::Tensor pos = at::full({B, 1}, t, at::TensorOptions().dtype(at::kLong).device(x.device()));
-  at::Tensor q = apply_rope(q_proj->forward(x).view({B, 1, H_, Dh_}), pos, theta_);
-  at::Tensor k = apply_rope(k_proj->forward(x).view({B, 1, H_, Dh_}), pos, theta_);
-  at::Tensor v = v_proj->forward(x).view({B, 1, H_, Dh_});
+  at::Tensor q = apply_rope(project(q_proj, x).view({B, 1, H_, Dh_}), pos, theta_);
+  at::Tensor k = apply_rope(project(k_proj, x).view({B, 1, H_, Dh_}), pos, theta_);
+  at::Tensor v = project(v_proj, x).view({B, 1, H_, Dh_});
   // Keep only the window's keys: the cache holds positions t - n + 1 .. t.
   st.keys = st.keys.defined() ? at::cat({st.keys, k.detach()}, 1) : k.detach();
   st.values = st.values.defined() ? at::cat({st.values, v.detach()}, 1) : v.detach();
@@ -51,7 +52,7 @@ at::Tensor SlidingWindowAttention::step(const at::Tensor& x, MixerState& st, con
   at::Tensor o = std::get<0>(
       ops::sparse_attention(q, st.keys, st.values, idx.contiguous(), {}, {}, {}, 1.0 / std::sqrt((double)Dh_)));
   st.pos += 1;
-  return o_proj->forward(o.reshape({B, d_}));
+  return project(o_proj, o.reshape({B, d_}));
 }
 
 }  // namespace hax

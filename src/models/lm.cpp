@@ -1,4 +1,5 @@
 #include "models/lm.h"
+#include "layers/project.h"
 
 #include "layers/mamba.h"
 #include "layers/mamba2.h"
@@ -64,7 +65,7 @@ at::Tensor LanguageModel::hidden(const at::Tensor& ids, const at::Tensor& seq_id
 }
 
 at::Tensor LanguageModel::logits(const at::Tensor& h) {
-  return cfg_.tie_embeddings ? at::matmul(h, embedding->weight.t()) : lm_head->forward(h);
+  return cfg_.tie_embeddings ? ops::linear(h, embedding->weight, {}) : project(lm_head, h);
 }
 
 at::Tensor LanguageModel::forward(const at::Tensor& ids, const at::Tensor& seq_idx, ForwardContext* ctx) {

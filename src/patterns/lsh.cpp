@@ -5,13 +5,12 @@
 #include <cmath>
 
 #include "core/rng.h"
+#include "core/small_gemm.h"
 #include "patterns/internal.h"
 #include "patterns/pattern.h"
 
 namespace hax::patterns {
 namespace {
-
-constexpr double kNormEps = 1e-12;  // L2 normalization divides by max(|v|, kNormEps)
 
 int64_t num_buckets(Binning binning, int64_t h) { return binning == Binning::kSign ? (int64_t)1 << h : h; }
 
@@ -40,32 +39,39 @@ void check_vectors(const char* op, const char* name, const at::Tensor& x) {
             ops::shape_str(x.sizes()));
 }
 
+// The projection of the centered, normalized vector decides the bucket. Normalizing scales it by
+// a positive number, which changes neither its signs nor its argmax, so it is skipped; centering
+// is linear, so (v_i - mean_{s..i} v)·P = v_i·P - mean_{s..i}(v·P): one GEMM of all vectors with
+// P (parallel over positions, in double), then a running mean of h numbers per position.
+constexpr int64_t kProjectRows = 256;  // positions per GEMM work item
+
 template <class T>
 void buckets_kernel(const at::Tensor& x, const at::Tensor& proj, Binning binning, const at::Tensor& seq,
                     at::Tensor& out) {
   const int64_t B = x.size(0), L = x.size(1), H = x.size(2), N = x.size(3), h = proj.size(1);
+  const int64_t rows = B * L * H;
   const T* xp = x.data_ptr<T>();
   const double* P = proj.data_ptr<double>();  // (N, h) row-major
-  int32_t* op = out.data_ptr<int32_t>();      // (B, L, H)
-  detail::for_each_row(B, H, L, seq, L * N * (h + 2), [&](int64_t b, int64_t hd, const auto& segs) {
-    std::vector<double> sum(N), c(N), p(h);
+  std::vector<double> xproj(rows * h);        // (B, L, H, h) = x · P
+  at::parallel_for(0, (rows + kProjectRows - 1) / kProjectRows, 1, [&](int64_t s, int64_t e) {
+    std::vector<double> xd;
+    for (int64_t blk = s; blk < e; ++blk) {
+      const int64_t r0 = blk * kProjectRows, m = std::min(kProjectRows, rows - r0);
+      xd.assign(xp + r0 * N, xp + (r0 + m) * N);
+      small_gemm<double>(m, h, N, xd.data(), N, P, h, xproj.data() + r0 * h, h, false);
+    }
+  });
+  int32_t* op = out.data_ptr<int32_t>();  // (B, L, H)
+  detail::for_each_row(B, H, L, seq, L * h * 2, [&](int64_t b, int64_t hd, const auto& segs) {
+    std::vector<double> sum(h), p(h);
     for (const auto& [s, e] : segs) {
       std::fill(sum.begin(), sum.end(), 0.0);
       for (int64_t i = s; i < e; ++i) {
-        const T* v = xp + ((b * L + i) * H + hd) * N;
+        const double* v = xproj.data() + ((b * L + i) * H + hd) * h;
         const double cnt = (double)(i - s + 1);
-        for (int64_t n = 0; n < N; ++n) {
-          sum[n] += (double)v[n];
-          c[n] = (double)v[n] - sum[n] / cnt;  // centered by the causal running mean
-        }
-        double nrm = 0;
-        for (int64_t n = 0; n < N; ++n) nrm += c[n] * c[n];
-        const double inv = 1.0 / std::max(std::sqrt(nrm), kNormEps);
-        std::fill(p.begin(), p.end(), 0.0);
-        for (int64_t n = 0; n < N; ++n) {
-          const double cn = c[n] * inv;
-          const double* row = P + n * h;
-          for (int64_t j = 0; j < h; ++j) p[j] += cn * row[j];
+        for (int64_t j = 0; j < h; ++j) {
+          sum[j] += v[j];
+          p[j] = v[j] - sum[j] / cnt;  // centered by the causal running mean
         }
         int64_t bucket = 0;
         if (binning == Binning::kSign) {
