@@ -16,7 +16,8 @@ Command add_table1_command(CLI::App& app, int argc, char** argv) {
                                  "double-width bases, Samba) and write its test accuracies beside the paper's");
   struct State {
     Table1Config cfg;
-    std::string variants, seeds = "1";
+    std::string variants, seeds = "1", command;
+    bool list = false;
   };
   auto st = std::make_shared<State>();
   st->cfg.task.nc_min = 4, st->cfg.task.nc_max = 8, st->cfg.task.nk_min = 4, st->cfg.task.nk_max = 8;
@@ -39,11 +40,19 @@ Command add_table1_command(CLI::App& app, int argc, char** argv) {
   sub->add_option("--runs-dir", st->cfg.runs_dir, "directory of the runs (finished ones are reused)");
   sub->add_option("--out", st->cfg.out_md, "markdown output");
   sub->add_option("--json", st->cfg.out_json, "JSON output");
+  sub->add_option("--command", st->command,
+                  "the command line written into the table (default: this one; scripts/table1_parallel.sh passes its own)");
+  sub->add_flag("--list-variants", st->list, "print the grid's variant names, one per line, and exit");
   add_threads_option(sub, &st->cfg.threads);
   Command c;
   c.app = sub;
   c.run = [st]() {
+    if (st->list) {
+      for (const auto& v : table1_variants()) fmt::print("{}\n", v);
+      return kExitOk;
+    }
     Table1Config cfg = st->cfg;
+    if (!st->command.empty()) cfg.command = st->command;
     if (!st->variants.empty()) {
       size_t pos = 0;
       while (pos <= st->variants.size()) {

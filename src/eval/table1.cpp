@@ -96,7 +96,8 @@ void run_table1(const Table1Config& cfg) {
       run.task = cfg.task;
       run.train.run_dir = fmt::format("{}/{}-s{}", cfg.runs_dir, name, seed);
       run.train.seed = seed;
-      run.train.threads = cfg.threads;
+      // run.train.threads stays 0: the thread count (set by the command) does not change results, so a
+      // run trained with any count is reused.
       run.train.steps = cfg.steps;
       run.train.batch_size = cfg.batch_size;
       run.train.lr = cfg.lr;
