@@ -13,7 +13,7 @@ void add_threads_option(CLI::App* app, int* threads) {
 
 void add_model_options(CLI::App* app, ModelConfig* m) {
   const char* g = "Model";
-  app->add_option("--mixer", m->mixer, "sequence mixer: mamba (S6) or mamba2 (SSD)")->group(g);
+  app->add_option("--mixer", m->mixer, "sequence mixer: mamba (S6), mamba2 (SSD) or samba (Mamba layers interleaved with sliding-window attention)")->group(g);
   app->add_option("--vocab-size", m->vocab_size, "embedding rows (must exceed the task's largest token id)")->group(g);
   app->add_option("--d-model", m->d_model, "residual stream width")->group(g);
   app->add_option("--n-layers", m->n_layers, "number of residual blocks")->group(g);

@@ -121,7 +121,13 @@ void run_table1(const Table1Config& cfg) {
         seconds = s.value("train_seconds_this_session", NAN);
         reused = true;
       } else {
-        fmt::print("table1: training {} (seed {}) for {} steps -> {}\n", name, seed, cfg.steps, run.train.run_dir);
+        // A run interrupted under this same config continues from its last checkpoint.
+        const bool resume = path_exists(config_path) && path_exists(last_checkpoint_path(run.train.run_dir)) &&
+                            read_file(config_path, "run config") == run.config_text;
+        run.train.resume = resume;
+        run.train.overwrite = !resume;
+        fmt::print("table1: {} {} (seed {}) for {} steps -> {}\n", resume ? "resuming" : "training", name, seed,
+                   cfg.steps, run.train.run_dir);
         std::fflush(stdout);
         TrainSummary s = train(run);
         HAX_CHECK(!s.interrupted, "table1 interrupted during {} (seed {}); run it again to continue", name, seed);
