@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.h"
 #include "commands.h"
 #include "config_file.h"
 #include "core/atomic_file.h"
@@ -71,6 +72,7 @@ std::vector<std::string> expand_configs(const CLI::App& app, const std::vector<C
 }  // namespace
 
 int main(int argc, char** argv) {
+  hax::keep_freed_memory();
   CLI::App app{"hax: state-space models with sparse attention on long-context recall tasks"};
   app.name("hax");
   app.require_subcommand(1);
