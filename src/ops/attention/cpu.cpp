@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -40,6 +41,22 @@ constexpr int64_t kBlockK = 32;  // keys per block in the backward's phase 2
 constexpr int64_t kPad = 16;     // union columns are padded (with zero keys) to a multiple of this
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Runs fn(state, it) for every item it in [0, n) on all threads, handing items out one at a time:
+// their cost differs a lot (a block of popular keys, a block computed per query), and a static
+// split left one thread with most of the work (Key Selection's early keys are everyone's). Each
+// thread makes one `state` with make_state(). Every item writes only its own outputs, so results
+// do not depend on the schedule.
+template <class MakeState, class F>
+void parallel_items(int64_t n, MakeState make_state, F fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    auto state = make_state();
+    for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) fn(state, it);
+  });
+}
 
 // Offsets into the contiguous layouts documented in attention.h.
 struct Layout {
@@ -294,19 +311,18 @@ void forward_per_query(Block<T>& blk, int64_t b, int64_t h) {
 template <class T>
 void forward_impl(const AttentionParams& p) {
   const int64_t nblk = (p.seqlen + kBlockQ - 1) / kBlockQ, limit = union_limit(p);
-  at::parallel_for(0, p.batch * p.nheads * nblk, 1, [&](int64_t begin, int64_t end) {
-    Block<T> blk(p, limit, false);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t bh = it / nblk, b = bh / p.nheads, h = bh % p.nheads;
-      blk.set_rows(bh, it % nblk);
-      if (limit > 0 && blk.collect_union(bh, limit)) {
-        forward_tiles(blk, b, h);
-        blk.release_union();
-      } else {
-        forward_per_query(blk, b, h);
-      }
-    }
-  });
+  parallel_items(
+      p.batch * p.nheads * nblk, [&] { return Block<T>(p, limit, false); },
+      [&](Block<T>& blk, int64_t it) {
+        const int64_t bh = it / nblk, b = bh / p.nheads, h = bh % p.nheads;
+        blk.set_rows(bh, it % nblk);
+        if (limit > 0 && blk.collect_union(bh, limit)) {
+          forward_tiles(blk, b, h);
+          blk.release_union();
+        } else {
+          forward_per_query(blk, b, h);
+        }
+      });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -633,35 +649,33 @@ void backward_impl(const AttentionGradParams& gp) {
   // Phase 1: dq, dseg_w, and dscore, w·a of every entry (at its position in g); parallel over
   // query blocks.
   const int64_t nblk = (lay.L + kBlockQ - 1) / kBlockQ, limit = union_limit(p);
-  at::parallel_for(0, BH * nblk, 1, [&](int64_t begin, int64_t end) {
-    Block<T> blk(p, limit, true);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t bh = it / nblk, b = bh / p.nheads, h = bh % p.nheads;
-      blk.set_rows(bh, it % nblk);
-      if (limit > 0 && blk.collect_union(bh, limit)) {
-        backward_tiles(gp, blk, b, h, g);
-        blk.release_union();
-      } else {
-        backward_per_query(gp, blk, b, h, g);
-      }
-    }
-  });
+  parallel_items(
+      BH * nblk, [&] { return Block<T>(p, limit, true); },
+      [&](Block<T>& blk, int64_t it) {
+        const int64_t bh = it / nblk, b = bh / p.nheads, h = bh % p.nheads;
+        blk.set_rows(bh, it % nblk);
+        if (limit > 0 && blk.collect_union(bh, limit)) {
+          backward_tiles(gp, blk, b, h, g);
+          blk.release_union();
+        } else {
+          backward_per_query(gp, blk, b, h, g);
+        }
+      });
 
   // Phase 2: dk, dv, dbias per block of keys, from the entries grouped by key.
   const int64_t nkb = (lay.Lk + kBlockK - 1) / kBlockK, klimit = query_union_limit(p);
-  at::parallel_for(0, BH * nkb, 1, [&](int64_t begin, int64_t end) {
-    KeyBlock<T> kb(gp, lay, g, klimit);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t bh = it / nkb, b = bh / p.nheads, h = bh % p.nheads, j0 = (it % nkb) * kBlockK;
-      kb.set_keys(bh, j0);
-      if (klimit > 0 && kb.collect_union(klimit)) {
-        kb.tiles(b, h);
-        kb.release_union();
-      } else {
-        kb.direct(b, h);
-      }
-    }
-  });
+  parallel_items(
+      BH * nkb, [&] { return KeyBlock<T>(gp, lay, g, klimit); },
+      [&](KeyBlock<T>& kb, int64_t it) {
+        const int64_t bh = it / nkb, b = bh / p.nheads, h = bh % p.nheads, j0 = (it % nkb) * kBlockK;
+        kb.set_keys(bh, j0);
+        if (klimit > 0 && kb.collect_union(klimit)) {
+          kb.tiles(b, h);
+          kb.release_union();
+        } else {
+          kb.direct(b, h);
+        }
+      });
   scratch.release_if_large();
 }
 
