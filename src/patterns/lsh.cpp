@@ -2,6 +2,9 @@
 // Gaussian projection, sign-bit or argmax binning), then let every query see the most recent keys
 // of its bucket. The keys are sorted by (bucket, position) per sequence, so each query's keys are
 // one contiguous slice of that order, found by binary search: O(L log L + L·k), never all pairs.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cmath>
 
 #include "core/rng.h"
@@ -181,23 +184,36 @@ KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::T
     const int32_t* kb = bkp + b * L * H + hd;
     int32_t* row = out + (b * H + hd) * L * K;
     int32_t* order = qo + (b * H + hd) * L;
-    std::vector<uint64_t> sorted;
+    std::vector<uint64_t> keys_sorted, queries_sorted;
     std::vector<int64_t> counts;
     for (const auto& [s, e] : segs) {
-      // Keys of this sequence by (bucket, position). Query i's keys are the entries of its bucket
-      // with position <= i: the slice [lower_bound(bucket, 0), upper_bound(bucket, i)); keep its last K.
-      sort_by_bucket(kb, H, s, e, nb, sorted, counts);
-      for (int64_t i = s; i < e; ++i) {
-        const int64_t bucket = qb[i * H];
-        const auto lo = std::lower_bound(sorted.begin(), sorted.end(), pack(bucket, 0));
-        const auto hi = std::upper_bound(lo, sorted.end(), pack(bucket, i));
-        const int64_t n = std::min<int64_t>(K, hi - lo);
-        int32_t* dst = row + i * K;
-        for (auto it = hi - n; it != hi; ++it) *dst++ = (int32_t)(uint32_t)*it;
-      }
-      // Queries of this sequence by (bucket, position).
-      sort_by_bucket(qb, H, s, e, nb, sorted, counts);
-      for (int64_t t = 0; t < e - s; ++t) order[s + t] = (int32_t)(uint32_t)sorted[t];
+      // Keys and queries of this sequence by (bucket, position). Query i's keys are the entries of
+      // its bucket with position <= i: the slice [lower_bound(bucket, 0), upper_bound(bucket, i))
+      // of the sorted keys; keep its last K. Taking the queries in their sorted order, that slice's
+      // end only moves forward within a bucket, so a chunk of queries needs one binary search and
+      // then a forward scan; chunks run in parallel (when the rows themselves do not).
+      sort_by_bucket(kb, H, s, e, nb, keys_sorted, counts);
+      sort_by_bucket(qb, H, s, e, nb, queries_sorted, counts);
+      const int64_t n = e - s;
+      for (int64_t t = 0; t < n; ++t) order[s + t] = (int32_t)(uint32_t)queries_sorted[t];
+      const auto kbeg = keys_sorted.begin(), kend = keys_sorted.end();
+      at::parallel_for(0, n, 2048, [&](int64_t t0, int64_t t1) {
+        int64_t cur_bucket = -1;
+        auto lo = kbeg, hi = kbeg;
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t i = (int64_t)(uint32_t)queries_sorted[t], bucket = (int64_t)(queries_sorted[t] >> 32);
+          if (bucket != cur_bucket) {
+            cur_bucket = bucket;
+            lo = std::lower_bound(kbeg, kend, pack(bucket, 0));
+            hi = lo;
+          }
+          const uint64_t last = pack(bucket, i);
+          while (hi != kend && *hi <= last) ++hi;
+          const int64_t m = std::min<int64_t>(K, hi - lo);
+          int32_t* dst = row + i * K;
+          for (auto it = hi - m; it != hi; ++it) *dst++ = (int32_t)(uint32_t)*it;
+        }
+      });
     }
   });
   return {detail::on(idx, q.device()), detail::on(q_order, q.device())};
