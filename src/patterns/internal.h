@@ -73,4 +73,31 @@ void for_each_row(int64_t B, int64_t H, int64_t L, const at::Tensor& seq, int64_
   });
 }
 
+// The lists of a pattern whose keys for query i are an arithmetic progression within i's packed
+// sequence [s, e): keys(s, i) returns {first, count, step} (count <= k), the list being first,
+// first + step, ...; the same for every (b, h). Checks B, H, L, k and seq_idx and builds the
+// (B, H, L, k) lists on seq_idx's device. SW, sink and dilated are such patterns.
+struct Progression {
+  int64_t first, count, step;
+};
+template <class F>
+at::Tensor progression_lists(const char* op, int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx,
+                             F&& keys) {
+  check_sizes(op, B, H, L);
+  check_positive(op, "k", k);
+  const at::Tensor seq = ops::check_seq_idx(op, seq_idx, B, L);
+  at::Tensor idx = empty_lists(B, H, L, k);
+  int32_t* out = idx.data_ptr<int32_t>();
+  for_each_row(B, H, L, seq, L * k, [&](int64_t b, int64_t h, const auto& segs) {
+    int32_t* row = out + (b * H + h) * L * k;
+    for (const auto& [s, e] : segs)
+      for (int64_t i = s; i < e; ++i) {
+        const Progression pr = keys(s, i);
+        int32_t* dst = row + i * k;
+        for (int64_t t = 0; t < pr.count; ++t) dst[t] = (int32_t)(pr.first + t * pr.step);
+      }
+  });
+  return on(idx, result_device(seq_idx));
+}
+
 }  // namespace hax::patterns::detail
