@@ -1,6 +1,5 @@
 // Sparse attention over index lists: both kernel paths (dense tiles over a block's key union, and
 // per-query gathers) against the dense masked-softmax reference, gradients, properties, errors.
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -19,6 +18,7 @@ enum class Lists {
   kRandom,  // any keys of [0, Lk)
   kCausal,  // random keys j <= i
   kWindow,  // segment s: the K keys before the (s K) most recent ones, i.e. i-(s+1)K+1 .. i-sK
+  kSink,    // keys 0 and 1 (when <= i) in every list, then random keys j <= i: popular keys
 };
 
 struct AttnSize {
@@ -51,6 +51,11 @@ at::Tensor make_lists(const AttnSize& s, std::mt19937& rng) {
         chosen.clear();
         if (s.lists == Lists::kWindow) {
           for (int64_t j = std::max<int64_t>(0, i - (sg + 1) * s.K + 1); j <= i - sg * s.K; ++j) chosen.push_back(j);
+        } else if (s.lists == Lists::kSink) {
+          for (int64_t j = 0; j <= std::min<int64_t>(i, 1) && (int64_t)chosen.size() < s.K; ++j) chosen.push_back(j);
+          for (int64_t j = 2 + std::uniform_int_distribution<int64_t>(0, 3)(rng); j <= i && (int64_t)chosen.size() < s.K;
+               j += 1 + std::uniform_int_distribution<int64_t>(0, i)(rng))
+            chosen.push_back(j);
         } else {
           const int64_t avail = s.lists == Lists::kCausal ? std::min(i + 1, s.Lk) : s.Lk;
           int64_t n = std::min<int64_t>(s.K, avail);
@@ -150,6 +155,20 @@ TEST(SparseAttention, LongSequenceMatchesReferenceFloat64) {
   AttnSize s{1, 1025, 1025, 1, 16, 16, 3, 7, Lists::kRandom, true, true, false};
   SCOPED_TRACE(describe(s));
   expect_matches_reference(attention_case(s), at::kDouble, 1e-11, 1e-9);
+}
+
+// Keys in more lists than the backward sums in one piece (2048 entries): their sums are split in
+// chunks. Reference, both paths, and bit-identical results on 1 and 2 threads.
+TEST(SparseAttention, PopularKeysMatchReferenceAndAreDeterministic) {
+  torch::manual_seed(12);
+  for (AttentionPath path : kAllPaths) {
+    PathGuard g(path);
+    AttnSize s{1, 2600, 2600, 1, 8, 6, 1, 6, Lists::kSink, true, false, path == AttentionPath::kAuto};
+    s.empty_frac = 0.02;
+    SCOPED_TRACE(describe(s) + " path=" + path_name(path));
+    expect_matches_reference(attention_case(s), at::kDouble, 1e-11, 1e-9);
+    expect_deterministic_across_threads(attention_case(s));
+  }
 }
 
 TEST(SparseAttention, FourDimensionalIndexIsOneSegment) {
@@ -352,39 +371,4 @@ TEST(SparseAttention, BadInputsNameTheTensor) {
   expect_usage_error([&] { call(q, k, v, idx, bias, w, order, 0.0); }, "scale 0 must be positive");
   expect_usage_error([&] { call(q, k, v, idx, bias, w, order, -1.0); }, "scale -1 must be positive");
   expect_usage_error([&] { call(q, k, v, at::Tensor(), bias, w, order, 0.5); }, "idx is missing");
-}
-
-// Timings for the report (float32, 2 threads, B = 1, H = 1, D = Dv = 64, K = 64, sliding-window
-// lists i-63..i). Run with --gtest_also_run_disabled_tests --gtest_filter='*Timing*'.
-TEST(SparseAttention, DISABLED_Timing) {
-  at::set_num_threads(2);
-  auto o = at::TensorOptions().dtype(at::kFloat);
-  for (int64_t L : {4096, 16384}) {
-    at::Tensor idx = at::arange(L, at::kInt).view({L, 1}) - 63 + at::arange(64, at::kInt).view({1, 64});
-    idx = idx.masked_fill(idx < 0, -1).view({1, 1, L, 64});
-    at::Tensor q = at::randn({1, L, 1, 64}, o).requires_grad_(), k = at::randn({1, L, 1, 64}, o).requires_grad_();
-    at::Tensor v = at::randn({1, L, 1, 64}, o).requires_grad_(), g = at::randn({1, L, 1, 64}, o);
-    auto best = [](auto&& fn) {
-      double b = 1e30;
-      for (int r = 0; r < 5; ++r) {
-        auto t0 = std::chrono::steady_clock::now();
-        fn();
-        b = std::min(b, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      }
-      return b;
-    };
-    for (AttentionPath path : kAllPaths) {
-      PathGuard pg(path);
-      double fwd = best([&] {
-        torch::NoGradGuard ng;
-        sparse_attention(q, k, v, idx, {}, {}, {}, 0.125);
-      });
-      double fb = best([&] {
-        auto [out, lse] = sparse_attention(q, k, v, idx, {}, {}, {}, 0.125);
-        (out * g).sum().backward();
-      });
-      std::printf("sparse_attention L=%lld path=%s: forward %.2f ms, forward+backward %.2f ms\n", (long long)L,
-                  path_name(path), fwd, fb);
-    }
-  }
 }

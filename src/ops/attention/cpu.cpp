@@ -38,6 +38,7 @@ namespace {
 
 constexpr int64_t kBlockQ = 32;  // queries per block
 constexpr int64_t kBlockK = 32;  // keys per block in the backward's phase 2
+constexpr int64_t kHeavyEntries = 2048;  // a key listed more often is summed in chunks of this many entries
 constexpr int64_t kPad = 16;     // union columns are padded (with zero keys) to a multiple of this
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -554,19 +555,28 @@ struct KeyBlock {
 
   void set_keys(int64_t bh_, int64_t j0_) { bh = bh_, j0 = j0_, nk = std::min(kBlockK, lay.Lk - j0); }
 
+  // Key jj of the block is summed by the heavy-key chunks instead (see backward_impl).
+  bool heavy(int64_t jj) const {
+    const int64_t* st = g.starts(bh);
+    return st[j0 + jj + 1] - st[j0 + jj] > kHeavyEntries;
+  }
+
   bool collect_union(int64_t limit) {
     U = 0;
     const int64_t* st = g.starts(bh);
     const int32_t* qry = g.query + g.base(bh);
-    for (int64_t n = st[j0]; n < st[j0 + nk]; ++n) {
-      const int32_t i = qry[n];
-      if (slot[i] >= 0) continue;
-      if (U == limit) {
-        release_union();
-        return false;
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      if (heavy(jj)) continue;
+      for (int64_t n = st[j0 + jj]; n < st[j0 + jj + 1]; ++n) {
+        const int32_t i = qry[n];
+        if (slot[i] >= 0) continue;
+        if (U == limit) {
+          release_union();
+          return false;
+        }
+        slot[i] = int32_t(U);
+        qs[U++] = i;
       }
-      slot[i] = int32_t(U);
-      qs[U++] = i;
     }
     Up = round_up(U, kPad);
     return true;
@@ -593,6 +603,7 @@ struct KeyBlock {
     std::fill(dST.begin(), dST.begin() + nk * Up, T(0));
     std::fill(PT.begin(), PT.begin() + nk * Up, T(0));
     for (int64_t jj = 0; jj < nk; ++jj) {
+      if (heavy(jj)) continue;
       T* dsrow = &dST[jj * Up];
       T* prow = &PT[jj * Up];
       T s = 0;
@@ -614,7 +625,8 @@ struct KeyBlock {
     std::fill(&dOg[U * Dv], &dOg[Up * Dv], T(0));
     small_gemm<T>(nk, D, Up, dST.data(), Up, Qg.data(), D, dKb.data(), D, false);
     small_gemm<T>(nk, Dv, Up, PT.data(), Up, dOg.data(), Dv, dVb.data(), Dv, false);
-    for (int64_t jj = 0; jj < nk; ++jj) write(b, h, jj, &dKb[jj * D], &dVb[jj * Dv]);
+    for (int64_t jj = 0; jj < nk; ++jj)
+      if (!heavy(jj)) write(b, h, jj, &dKb[jj * D], &dVb[jj * Dv]);
   }
 
   void direct(int64_t b, int64_t h) {
@@ -623,6 +635,7 @@ struct KeyBlock {
     const T *ds = g.dscore + o, *pw = g.pw + o;
     std::vector<T> dk(D), dv(Dv);
     for (int64_t jj = 0; jj < nk; ++jj) {
+      if (heavy(jj)) continue;
       std::fill(dk.begin(), dk.end(), T(0));
       std::fill(dv.begin(), dv.end(), T(0));
       T s = 0;
@@ -662,11 +675,45 @@ void backward_impl(const AttentionGradParams& gp) {
         }
       });
 
-  // Phase 2: dk, dv, dbias per block of keys, from the entries grouped by key.
+  // Phase 2: dk, dv, dbias per block of keys, from the entries grouped by key. A key listed by more
+  // than kHeavyEntries entries (a sink, Key Selection's favourites: in every query's list) would
+  // make its block one long item that the other threads wait for; its entries are summed instead
+  // in fixed chunks, each an item of its own, and the chunks' partial sums are added in order
+  // (fixed by the data, not the threads) at the end.
+  struct Chunk {
+    int64_t bh, j, n0, n1;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> heavy_first;  // index of each heavy key's first chunk; chunks.size() at the end
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const int64_t* st = g.starts(bh);
+    for (int64_t j = 0; j < lay.Lk; ++j) {
+      if (st[j + 1] - st[j] <= kHeavyEntries) continue;
+      heavy_first.push_back((int64_t)chunks.size());
+      for (int64_t n0 = st[j]; n0 < st[j + 1]; n0 += kHeavyEntries)
+        chunks.push_back({bh, j, n0, std::min(n0 + kHeavyEntries, st[j + 1])});
+    }
+  }
+  heavy_first.push_back((int64_t)chunks.size());
+  const int64_t width = lay.D + lay.Dv + 1, nchunks = (int64_t)chunks.size();
+  std::vector<T> partial(nchunks * width);  // per chunk: Σ dscore q (D), Σ w a dO (Dv), Σ dscore
   const int64_t nkb = (lay.Lk + kBlockK - 1) / kBlockK, klimit = query_union_limit(p);
   parallel_items(
-      BH * nkb, [&] { return KeyBlock<T>(gp, lay, g, klimit); },
+      nchunks + BH * nkb, [&] { return KeyBlock<T>(gp, lay, g, klimit); },
       [&](KeyBlock<T>& kb, int64_t it) {
+        if (it < nchunks) {  // the longest items first
+          const Chunk& c = chunks[it];
+          const int64_t b = c.bh / p.nheads, h = c.bh % p.nheads, o = g.base(c.bh);
+          T* acc = &partial[it * width];
+          for (int64_t n = o + c.n0; n < o + c.n1; ++n) {
+            const int64_t i = g.query[n];
+            axpy(g.dscore[n], (const T*)p.q + lay.q(b, i, h), acc, lay.D);
+            axpy(g.pw[n], (const T*)gp.dout + lay.o(b, i, h), acc + lay.D, lay.Dv);
+            acc[width - 1] += g.dscore[n];
+          }
+          return;
+        }
+        it -= nchunks;
         const int64_t bh = it / nkb, b = bh / p.nheads, h = bh % p.nheads, j0 = (it % nkb) * kBlockK;
         kb.set_keys(bh, j0);
         if (klimit > 0 && kb.collect_union(klimit)) {
@@ -676,6 +723,18 @@ void backward_impl(const AttentionGradParams& gp) {
           kb.direct(b, h);
         }
       });
+  const T scale = T(p.scale);
+  for (size_t hk = 0; hk + 1 < heavy_first.size(); ++hk) {
+    const Chunk& c0 = chunks[heavy_first[hk]];
+    const int64_t b = c0.bh / p.nheads, h = c0.bh % p.nheads, j = c0.j;
+    std::vector<T> sum(width, T(0));
+    for (int64_t c = heavy_first[hk]; c < heavy_first[hk + 1]; ++c)
+      for (int64_t x = 0; x < width; ++x) sum[x] += partial[c * width + x];
+    T* dkr = (T*)gp.dk + lay.k(b, j, h);
+    for (int64_t d = 0; d < lay.D; ++d) dkr[d] = scale * sum[d];
+    std::copy(sum.begin() + lay.D, sum.begin() + lay.D + lay.Dv, (T*)gp.dv + lay.v(b, j, h));
+    if (gp.dbias) ((T*)gp.dbias)[c0.bh * lay.Lk + j] = sum[width - 1];
+  }
   scratch.release_if_large();
 }
 
