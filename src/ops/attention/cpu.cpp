@@ -704,13 +704,14 @@ void backward_impl(const AttentionGradParams& gp) {
         if (it < nchunks) {  // the longest items first
           const Chunk& c = chunks[it];
           const int64_t b = c.bh / p.nheads, h = c.bh % p.nheads, o = g.base(c.bh);
-          T* acc = &partial[it * width];
+          std::vector<T> acc(width, T(0));  // not in `partial` itself: neighbouring chunks share cache lines
           for (int64_t n = o + c.n0; n < o + c.n1; ++n) {
             const int64_t i = g.query[n];
-            axpy(g.dscore[n], (const T*)p.q + lay.q(b, i, h), acc, lay.D);
-            axpy(g.pw[n], (const T*)gp.dout + lay.o(b, i, h), acc + lay.D, lay.Dv);
+            axpy(g.dscore[n], (const T*)p.q + lay.q(b, i, h), acc.data(), lay.D);
+            axpy(g.pw[n], (const T*)gp.dout + lay.o(b, i, h), acc.data() + lay.D, lay.Dv);
             acc[width - 1] += g.dscore[n];
           }
+          std::copy(acc.begin(), acc.end(), &partial[it * width]);
           return;
         }
         it -= nchunks;
