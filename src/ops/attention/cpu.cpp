@@ -17,8 +17,11 @@
 // (b, h) that keeps entry order within a key, is computed first). Phase 2, parallel over blocks of
 // keys, sums dk, dv and dbias over each key's entries in that fixed order: as tiles again (dense
 // keys x query-union matrices of dscore and w a, times the gathered rows of Q and dO) when the
-// keys' queries overlap, else per key. Every sum has an order fixed by the data, so the results
-// do not depend on the thread count. Large temporaries live in a per-thread scratch (scratch.h).
+// keys' queries overlap, else per key. Key blocks follow the query order when there is one (keys
+// ranked by the first query that lists them), and a key in very many lists is summed in fixed
+// chunks of entries. Work items go to threads one at a time. Every sum has an order fixed by the
+// data, so the results do not depend on the thread count. Large temporaries live in a per-thread
+// scratch (scratch.h).
 // Memory O(B H L S K).
 #include <ATen/Parallel.h>
 
@@ -540,6 +543,7 @@ struct KeyBlock {
   const ByKey<T>& g;
   const int64_t cap;
   int64_t bh = 0, j0 = 0, nk = 0, U = 0, Up = 0;
+  const int32_t* order = nullptr;  // (B*H, Lk) the keys in block order, or null (0..Lk-1)
   std::vector<int32_t> slot, qs;                  // (L) column of each query, -1; (cap) query of each column
   std::vector<T> dST, PT, Qg, dOg, dKb, dVb, db;  // (kBlockK, cap) x2, (cap, D), (cap, Dv), (kBlockK, D), (kBlockK, Dv), (kBlockK)
 
@@ -553,12 +557,17 @@ struct KeyBlock {
     }
   }
 
-  void set_keys(int64_t bh_, int64_t j0_) { bh = bh_, j0 = j0_, nk = std::min(kBlockK, lay.Lk - j0); }
+  // Keys j0 .. j0 + kBlockK - 1 of row bh's key order.
+  void set_keys(int64_t bh_, int64_t j0_, const int32_t* key_order) {
+    bh = bh_, j0 = j0_, nk = std::min(kBlockK, lay.Lk - j0), order = key_order;
+  }
+  // The key of block row jj.
+  int64_t key(int64_t jj) const { return order ? order[bh * lay.Lk + j0 + jj] : j0 + jj; }
 
   // Key jj of the block is summed by the heavy-key chunks instead (see backward_impl).
   bool heavy(int64_t jj) const {
     const int64_t* st = g.starts(bh);
-    return st[j0 + jj + 1] - st[j0 + jj] > kHeavyEntries;
+    return st[key(jj) + 1] - st[key(jj)] > kHeavyEntries;
   }
 
   bool collect_union(int64_t limit) {
@@ -567,7 +576,7 @@ struct KeyBlock {
     const int32_t* qry = g.query + g.base(bh);
     for (int64_t jj = 0; jj < nk; ++jj) {
       if (heavy(jj)) continue;
-      for (int64_t n = st[j0 + jj]; n < st[j0 + jj + 1]; ++n) {
+      for (int64_t n = st[key(jj)]; n < st[key(jj) + 1]; ++n) {
         const int32_t i = qry[n];
         if (slot[i] >= 0) continue;
         if (U == limit) {
@@ -588,7 +597,7 @@ struct KeyBlock {
   }
 
   void write(int64_t b, int64_t h, int64_t jj, const T* dk, const T* dv) const {
-    const int64_t j = j0 + jj;
+    const int64_t j = key(jj);
     T* dkr = (T*)gp.dk + lay.k(b, j, h);
     const T scale = T(gp.fwd.scale);
     for (int64_t d = 0; d < lay.D; ++d) dkr[d] = scale * dk[d];
@@ -607,7 +616,7 @@ struct KeyBlock {
       T* dsrow = &dST[jj * Up];
       T* prow = &PT[jj * Up];
       T s = 0;
-      for (int64_t n = st[j0 + jj]; n < st[j0 + jj + 1]; ++n) {
+      for (int64_t n = st[key(jj)]; n < st[key(jj) + 1]; ++n) {
         const int32_t c = slot[qry[n]];
         dsrow[c] += ds[n];
         prow[c] += pw[n];
@@ -639,7 +648,7 @@ struct KeyBlock {
       std::fill(dk.begin(), dk.end(), T(0));
       std::fill(dv.begin(), dv.end(), T(0));
       T s = 0;
-      for (int64_t n = st[j0 + jj]; n < st[j0 + jj + 1]; ++n) {
+      for (int64_t n = st[key(jj)]; n < st[key(jj) + 1]; ++n) {
         const int64_t i = qry[n];
         axpy(ds[n], (const T*)gp.fwd.q + lay.q(b, i, h), dk.data(), D);
         axpy(pw[n], (const T*)gp.dout + lay.o(b, i, h), dv.data(), Dv);
@@ -697,6 +706,33 @@ void backward_impl(const AttentionGradParams& gp) {
   heavy_first.push_back((int64_t)chunks.size());
   const int64_t width = lay.D + lay.Dv + 1, nchunks = (int64_t)chunks.size();
   std::vector<T> partial(nchunks * width);  // per chunk: Σ dscore q (D), Σ w a dO (Dv), Σ dscore
+  // With a query order (LSH, HAX: queries grouped by bucket), keys go to blocks in the order of
+  // the earliest-ranked query that lists them, which groups the keys of one bucket as the query
+  // order groups its queries: a block's keys then share their queries and run as tiles.
+  std::vector<int32_t> key_order;
+  if (p.q_order) {
+    key_order.resize(BH * lay.Lk);
+    parallel_items(
+        BH, [] { return 0; },
+        [&](int, int64_t bh) {
+          const int64_t L = lay.L, Lk = lay.Lk, *st = g.starts(bh);
+          const int32_t* qo = p.q_order + bh * L;
+          const int32_t* qry = g.query + g.base(bh);
+          std::vector<int32_t> rank(L), first(Lk);
+          for (int64_t r = 0; r < L; ++r) rank[qo[r]] = int32_t(r);
+          std::vector<int64_t> count(L + 2, 0);
+          for (int64_t j = 0; j < Lk; ++j) {
+            int32_t f = int32_t(L);  // keys nobody lists go last
+            for (int64_t n = st[j]; n < st[j + 1]; ++n) f = std::min(f, rank[qry[n]]);
+            first[j] = f;
+            ++count[f + 1];
+          }
+          for (int64_t r = 0; r <= L; ++r) count[r + 1] += count[r];
+          int32_t* out = &key_order[bh * Lk];
+          for (int64_t j = 0; j < Lk; ++j) out[count[first[j]]++] = int32_t(j);  // stable: ties by position
+        });
+  }
+  const int32_t* korder = p.q_order ? key_order.data() : nullptr;
   const int64_t nkb = (lay.Lk + kBlockK - 1) / kBlockK, klimit = query_union_limit(p);
   parallel_items(
       nchunks + BH * nkb, [&] { return KeyBlock<T>(gp, lay, g, klimit); },
@@ -716,7 +752,7 @@ void backward_impl(const AttentionGradParams& gp) {
         }
         it -= nchunks;
         const int64_t bh = it / nkb, b = bh / p.nheads, h = bh % p.nheads, j0 = (it % nkb) * kBlockK;
-        kb.set_keys(bh, j0);
+        kb.set_keys(bh, j0, korder);
         if (klimit > 0 && kb.collect_union(klimit)) {
           kb.tiles(b, h);
           kb.release_union();
