@@ -532,6 +532,17 @@ int64_t query_union_limit(const AttentionParams& p) {
   return std::min<int64_t>(p.seqlen, 4 * p.nseg * p.maxkeys + kBlockK);
 }
 
+// Writes key j's gradients from its sums Σ dscore q (dk, unscaled), Σ w a dO (dv), Σ dscore (db).
+template <class T>
+void write_key_grads(const AttentionGradParams& gp, const Layout& lay, int64_t b, int64_t h, int64_t j, const T* dk,
+                     const T* dv, T db) {
+  T* dkr = (T*)gp.dk + lay.k(b, j, h);
+  const T scale = T(gp.fwd.scale);
+  for (int64_t d = 0; d < lay.D; ++d) dkr[d] = scale * dk[d];
+  std::copy(dv, dv + lay.Dv, (T*)gp.dv + lay.v(b, j, h));
+  if (gp.dbias) ((T*)gp.dbias)[(b * lay.H + h) * lay.Lk + j] = db;
+}
+
 // Per-thread state for phase 2 on one block of kBlockK consecutive keys. As tiles: the union of
 // the queries whose entries reference the block's keys, dense (keys x union) matrices dS^T and
 // (w a)^T summed from the entries, and dK = scale dS^T Q_U, dV = (w a)^T dO_U; or, when the union
@@ -597,12 +608,7 @@ struct KeyBlock {
   }
 
   void write(int64_t b, int64_t h, int64_t jj, const T* dk, const T* dv) const {
-    const int64_t j = key(jj);
-    T* dkr = (T*)gp.dk + lay.k(b, j, h);
-    const T scale = T(gp.fwd.scale);
-    for (int64_t d = 0; d < lay.D; ++d) dkr[d] = scale * dk[d];
-    std::copy(dv, dv + lay.Dv, (T*)gp.dv + lay.v(b, j, h));
-    if (gp.dbias) ((T*)gp.dbias)[bh * lay.Lk + j] = db[jj];
+    write_key_grads(gp, lay, b, h, key(jj), dk, dv, db[jj]);
   }
 
   void tiles(int64_t b, int64_t h) {
@@ -660,6 +666,37 @@ struct KeyBlock {
   }
 };
 
+// With a query order (LSH, HAX: queries grouped by bucket), phase 2 takes the keys in the order of
+// the earliest-ranked query that lists them, which groups the keys of one bucket as the query
+// order groups its queries: a block's keys then share their queries and run as tiles. Returns the
+// (B*H, Lk) order, or nothing without a query order (keys in position order).
+template <class T>
+std::vector<int32_t> key_block_order(const AttentionParams& p, const Layout& lay, const ByKey<T>& g) {
+  if (!p.q_order) return {};
+  const int64_t BH = p.batch * p.nheads, L = lay.L, Lk = lay.Lk;
+  std::vector<int32_t> order(BH * Lk);
+  parallel_items(
+      BH, [] { return 0; },
+      [&](int, int64_t bh) {
+        const int64_t* st = g.starts(bh);
+        const int32_t* qo = p.q_order + bh * L;
+        const int32_t* qry = g.query + g.base(bh);
+        std::vector<int32_t> rank(L), first(Lk);
+        for (int64_t r = 0; r < L; ++r) rank[qo[r]] = int32_t(r);
+        std::vector<int64_t> count(L + 2, 0);  // a counting sort by first rank, stable
+        for (int64_t j = 0; j < Lk; ++j) {
+          int32_t f = int32_t(L);  // keys nobody lists go last
+          for (int64_t n = st[j]; n < st[j + 1]; ++n) f = std::min(f, rank[qry[n]]);
+          first[j] = f;
+          ++count[f + 1];
+        }
+        for (int64_t r = 0; r <= L; ++r) count[r + 1] += count[r];
+        int32_t* out = &order[bh * Lk];
+        for (int64_t j = 0; j < Lk; ++j) out[count[first[j]]++] = int32_t(j);
+      });
+  return order;
+}
+
 template <class T>
 void backward_impl(const AttentionGradParams& gp) {
   const AttentionParams& p = gp.fwd;
@@ -706,33 +743,8 @@ void backward_impl(const AttentionGradParams& gp) {
   heavy_first.push_back((int64_t)chunks.size());
   const int64_t width = lay.D + lay.Dv + 1, nchunks = (int64_t)chunks.size();
   std::vector<T> partial(nchunks * width);  // per chunk: Σ dscore q (D), Σ w a dO (Dv), Σ dscore
-  // With a query order (LSH, HAX: queries grouped by bucket), keys go to blocks in the order of
-  // the earliest-ranked query that lists them, which groups the keys of one bucket as the query
-  // order groups its queries: a block's keys then share their queries and run as tiles.
-  std::vector<int32_t> key_order;
-  if (p.q_order) {
-    key_order.resize(BH * lay.Lk);
-    parallel_items(
-        BH, [] { return 0; },
-        [&](int, int64_t bh) {
-          const int64_t L = lay.L, Lk = lay.Lk, *st = g.starts(bh);
-          const int32_t* qo = p.q_order + bh * L;
-          const int32_t* qry = g.query + g.base(bh);
-          std::vector<int32_t> rank(L), first(Lk);
-          for (int64_t r = 0; r < L; ++r) rank[qo[r]] = int32_t(r);
-          std::vector<int64_t> count(L + 2, 0);
-          for (int64_t j = 0; j < Lk; ++j) {
-            int32_t f = int32_t(L);  // keys nobody lists go last
-            for (int64_t n = st[j]; n < st[j + 1]; ++n) f = std::min(f, rank[qry[n]]);
-            first[j] = f;
-            ++count[f + 1];
-          }
-          for (int64_t r = 0; r <= L; ++r) count[r + 1] += count[r];
-          int32_t* out = &key_order[bh * Lk];
-          for (int64_t j = 0; j < Lk; ++j) out[count[first[j]]++] = int32_t(j);  // stable: ties by position
-        });
-  }
-  const int32_t* korder = p.q_order ? key_order.data() : nullptr;
+  const std::vector<int32_t> key_order = key_block_order(p, lay, g);
+  const int32_t* korder = key_order.empty() ? nullptr : key_order.data();
   const int64_t nkb = (lay.Lk + kBlockK - 1) / kBlockK, klimit = query_union_limit(p);
   parallel_items(
       nchunks + BH * nkb, [&] { return KeyBlock<T>(gp, lay, g, klimit); },
@@ -760,17 +772,13 @@ void backward_impl(const AttentionGradParams& gp) {
           kb.direct(b, h);
         }
       });
-  const T scale = T(p.scale);
-  for (size_t hk = 0; hk + 1 < heavy_first.size(); ++hk) {
+  for (size_t hk = 0; hk + 1 < heavy_first.size(); ++hk) {  // the heavy keys: chunks summed in order
     const Chunk& c0 = chunks[heavy_first[hk]];
-    const int64_t b = c0.bh / p.nheads, h = c0.bh % p.nheads, j = c0.j;
     std::vector<T> sum(width, T(0));
     for (int64_t c = heavy_first[hk]; c < heavy_first[hk + 1]; ++c)
       for (int64_t x = 0; x < width; ++x) sum[x] += partial[c * width + x];
-    T* dkr = (T*)gp.dk + lay.k(b, j, h);
-    for (int64_t d = 0; d < lay.D; ++d) dkr[d] = scale * sum[d];
-    std::copy(sum.begin() + lay.D, sum.begin() + lay.D + lay.Dv, (T*)gp.dv + lay.v(b, j, h));
-    if (gp.dbias) ((T*)gp.dbias)[c0.bh * lay.Lk + j] = sum[width - 1];
+    write_key_grads(gp, lay, c0.bh / p.nheads, c0.bh % p.nheads, c0.j, sum.data(), sum.data() + lay.D,
+                    sum[width - 1]);
   }
   scratch.release_if_large();
 }
