@@ -103,6 +103,8 @@ nlohmann::json run_attention_bench(const AttentionBenchConfig& cfg) {
                                      {"L", L},
                                      {"fwd_ms", tf.median_ms},
                                      {"fwdbwd_ms", tb.median_ms},
+                                     {"fwd_min_ms", tf.min_ms},  // the fastest run: how much noise the median carries
+                                     {"fwdbwd_min_ms", tb.min_ms},
                                      {"peak_bytes", peak},
                                      {"peak_bytes_per_token", (double)peak / L},
                                      {"speedup_fwdbwd_vs_full", std::isnan(speedup) ? nlohmann::json() : nlohmann::json(speedup)},
