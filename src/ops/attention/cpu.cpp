@@ -247,6 +247,20 @@ struct Block {
     return n;
   }
 
+  // Forward: turns the n scores of segment s of query i in x into exp(x - max), writes the
+  // segment's log-sum-exp (-inf when empty) and returns the factor w_s / Σ exp that makes them
+  // the segment's weighted softmax (0 when empty).
+  T segment_softmax(int64_t bh, int64_t i, int64_t s, int64_t n) {
+    T& l = ((T*)p.lse)[lay.seg(bh, i) + s];
+    if (n == 0) {
+      l = -std::numeric_limits<T>::infinity();
+      return T(0);
+    }
+    T sum;
+    l = softmax_terms(x.data(), n, sum);
+    return seg_weight(bh, i, s) / sum;
+  }
+
   T seg_weight(int64_t bh, int64_t i, int64_t s) const {
     return p.seg_w ? ((const T*)p.seg_w)[lay.seg(bh, i) + s] : T(1);
   }
@@ -265,20 +279,12 @@ void forward_tiles(Block<T>& blk, int64_t b, int64_t h) {
   blk.gather_keys((const T*)p.v, b, h, Dv, blk.Vc.data());
   small_gemm<T>(Up, nq, D, blk.Kc.data(), D, blk.QbT.data(), kBlockQ, blk.ST.data(), kBlockQ, false);
   std::fill(blk.P.begin(), blk.P.begin() + nq * Up, T(0));
-  T* lse = (T*)p.lse;
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t i = blk.rows[r];
     T* prow = &blk.P[r * Up];
     for (int64_t s = 0; s < lay.S; ++s) {
       const int64_t n = blk.tile_scores(bh, r, s);
-      T& l = lse[lay.seg(bh, i) + s];
-      if (n == 0) {
-        l = -std::numeric_limits<T>::infinity();
-        continue;
-      }
-      T sum;
-      l = softmax_terms(blk.x.data(), n, sum);
-      const T f = blk.seg_weight(bh, i, s) / sum;
+      const T f = blk.segment_softmax(bh, i, s, n);
       for (int64_t t = 0; t < n; ++t) prow[blk.col[t]] += f * blk.x[t];
     }
   }
@@ -292,21 +298,13 @@ void forward_per_query(Block<T>& blk, int64_t b, int64_t h) {
   const AttentionParams& p = blk.p;
   const Layout& lay = blk.lay;
   const int64_t bh = b * lay.H + h, Dv = lay.Dv;
-  T* lse = (T*)p.lse;
   for (int64_t r = 0; r < blk.nq; ++r) {
     const int64_t i = blk.rows[r];
     T* orow = (T*)p.out + lay.o(b, i, h);
     std::fill(orow, orow + Dv, T(0));
     for (int64_t s = 0; s < lay.S; ++s) {
       const int64_t n = blk.direct_scores(b, h, i, s);
-      T& l = lse[lay.seg(bh, i) + s];
-      if (n == 0) {
-        l = -std::numeric_limits<T>::infinity();
-        continue;
-      }
-      T sum;
-      l = softmax_terms(blk.x.data(), n, sum);
-      const T f = blk.seg_weight(bh, i, s) / sum;
+      const T f = blk.segment_softmax(bh, i, s, n);
       for (int64_t t = 0; t < n; ++t) axpy(f * blk.x[t], (const T*)p.v + lay.v(b, blk.col[t], h), orow, Dv);
     }
   }
