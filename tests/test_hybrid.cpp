@@ -20,15 +20,17 @@ namespace {
 std::vector<std::pair<std::string, std::string>> all_variants() {
   std::vector<std::pair<std::string, std::string>> v;
   for (const char* m : {"mamba", "mamba2"})
-    for (const char* s : {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "full"}) v.push_back({m, s});
+    for (const char* s : {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "dma", "hsa", "full"}) v.push_back({m, s});
   v.push_back({"samba", "none"});
+  for (const char* a : {"full", "swa", "swa+hsa", "dma"}) v.push_back({"transformer", a});  // (mixer, attention)
   return v;
 }
 
 ModelConfig hybrid_config(const std::string& mixer, const std::string& sparse) {
   ModelConfig c;
   c.mixer = mixer;
-  c.sparse = sparse;
+  c.sparse = mixer == "transformer" ? "none" : sparse;
+  if (mixer == "transformer") c.attention = sparse;
   c.vocab_size = 29;
   c.d_model = 16;
   c.n_layers = mixer == "samba" ? 4 : 2;
@@ -40,6 +42,9 @@ ModelConfig hybrid_config(const std::string& mixer, const std::string& sparse) {
   c.dilated_span = 12;     // dilated stride 12 / 4 = 3 in unions, 12 / 8 alone
   c.swa_window = 5;
   c.swa_heads = 2;
+  c.hsa_chunk = 6;         // several chunks at the tests' lengths
+  c.hsa_topk = 3;
+  c.hsa_dim = 7;
   return c;
 }
 

@@ -13,7 +13,7 @@ void add_threads_option(CLI::App* app, int* threads) {
 
 void add_model_options(CLI::App* app, ModelConfig* m) {
   const char* g = "Model";
-  app->add_option("--mixer", m->mixer, "sequence mixer: mamba (S6), mamba2 (SSD) or samba (Mamba layers interleaved with sliding-window attention)")->group(g);
+  app->add_option("--mixer", m->mixer, "sequence mixer: mamba (S6), mamba2 (SSD), samba (Mamba layers interleaved with sliding-window attention) or transformer (attention layers of --attention's kind)")->group(g);
   app->add_option("--vocab-size", m->vocab_size, "embedding rows (must exceed the task's largest token id)")->group(g);
   app->add_option("--d-model", m->d_model, "residual stream width")->group(g);
   app->add_option("--n-layers", m->n_layers, "number of residual blocks")->group(g);
@@ -34,7 +34,7 @@ void add_model_options(CLI::App* app, ModelConfig* m) {
                 "scale out_proj init by 1/sqrt(n_layers)")
       ->group(g);
   const char* s = "Sparse attention";
-  app->add_option("--sparse", m->sparse, "sparse attention branch: none, sw, d, sw+d, a, lsh, ks, hax or full")->group(s);
+  app->add_option("--sparse", m->sparse, "sparse attention branch: none, sw, d, sw+d, a, lsh, ks, hax, dma, hsa or full")->group(s);
   app->add_option("--sparse-keys", m->sparse_keys, "k: keys per query (split evenly across a union's parts)")->group(s);
   app->add_option("--attn-heads", m->attn_heads, "heads of the sparse branch")->group(s);
   app->add_option("--qk-dim", m->qk_dim, "query/key width per head (0 = d_state)")->group(s);
@@ -44,11 +44,16 @@ void add_model_options(CLI::App* app, ModelConfig* m) {
   app->add_option("--dilated-span", m->dilated_span, "dilated stride = dilated_span / keys per part")->group(s);
   app->add_option("--ks-hidden", m->ks_hidden, "Key Selection scorer width (0 = 2 qk_dim)")->group(s);
   app->add_option("--ks-candidates", m->ks_candidates, "keys sampled per row for the ranking loss (0 = k part)")->group(s);
-  const char* sa = "Samba";
-  app->add_option("--swa-window", m->swa_window, "Samba attention window")->group(sa);
-  app->add_option("--swa-heads", m->swa_heads, "Samba attention heads")->group(sa);
-  app->add_option("--mlp-ratio", m->mlp_ratio, "Samba SwiGLU width ratio")->group(sa);
-  app->add_option("--rope-theta", m->rope_theta, "Samba RoPE base")->group(sa);
+  app->add_option("--hsa-chunk", m->hsa_chunk, "HSA: tokens per chunk")->group(s);
+  app->add_option("--hsa-topk", m->hsa_topk, "HSA: chunks each query retrieves")->group(s);
+  app->add_option("--hsa-landmark", m->hsa_landmark, "HSA landmarks: cls (bidirectional chunk encoder) or mean")->group(s);
+  app->add_option("--hsa-dim", m->hsa_dim, "HSA retrieval width (0 = the input width)")->group(s);
+  const char* sa = "Attention layers (samba, transformer)";
+  app->add_option("--attention", m->attention, "transformer attention: full, swa, swa+hsa or dma")->group(sa);
+  app->add_option("--swa-window", m->swa_window, "sliding attention window")->group(sa);
+  app->add_option("--swa-heads", m->swa_heads, "attention heads")->group(sa);
+  app->add_option("--mlp-ratio", m->mlp_ratio, "SwiGLU width ratio")->group(sa);
+  app->add_option("--rope-theta", m->rope_theta, "RoPE base")->group(sa);
 }
 
 void add_train_options(CLI::App* app, TrainConfig* t) {
@@ -69,6 +74,9 @@ void add_train_options(CLI::App* app, TrainConfig* t) {
   app->add_option("--adam-eps", t->adam_eps, "AdamW epsilon")->group(g);
   app->add_option("--grad-clip", t->grad_clip, "max global gradient norm (0 = off)")->group(g);
   app->add_option("--ranking-alpha", t->ranking_alpha, "weight of the Key Selection ranking losses")->group(g);
+  app->add_option("--swa-warmup-window", t->swa_warmup_window,
+                  "sliding window of the attention layers during the warm-up (0 = no warm-up)")->group(g);
+  app->add_option("--swa-warmup-steps", t->swa_warmup_steps, "steps of the window warm-up")->group(g);
   app->add_flag("--pack,!--no-pack", t->pack, "pack samples into rows (state resets between them)")->group(g);
   app->add_option("--pack-len", t->pack_len, "packed row length (0 = the task's longest sample)")->group(g);
   app->add_option("--log-every", t->log_every, "steps between metric lines")->group(g);

@@ -19,6 +19,9 @@ struct MixerState {
   at::Tensor queries;       // (B, t, H, N): every past query (LSH centers by their running mean)
   at::Tensor key_scores;    // (B, t, H): Key Selection score of every past key
   at::Tensor q_sum;         // (B, H, N): Σ of past queries (Key Selection's query context)
+  at::Tensor aux_keys, aux_values;  // (B, t, H, N), (B, t, H, Dv): HSA's keys and values beside an attention layer's own
+  at::Tensor landmarks;     // (B, NC, d_ret): HSA landmarks of the complete chunks so far
+  at::Tensor chunk_inputs;  // (B, n, d_in): HSA inputs of the current, incomplete chunk
   int64_t pos = 0;          // tokens seen
 };
 

@@ -19,6 +19,10 @@ SparseAttentionBranch::SparseAttentionBranch(const ModelConfig& c, int64_t qk_in
   E = register_parameter("E", at::ones({v_dim}));
   for (auto& p : parts_)
     if (p == "ks") scorer = register_module("scorer", std::make_shared<KeyScorer>(N_, c.ks_hidden_resolved()));
+  if (kind_ == "dma") dma = register_module("dma", std::make_shared<DynamicMaskWeights>(v_dim, H_));
+  if (kind_ == "hsa")
+    hsa = register_module("hsa", std::make_shared<HierarchicalSparseAttention>(
+                                     qk_in_dim, c.hsa_dim_for(qk_in_dim), c.hsa_chunk, c.hsa_topk, c.hsa_landmark));
 }
 
 std::pair<at::Tensor, at::Tensor> SparseAttentionBranch::queries_keys(const at::Tensor& qk_in) {
@@ -57,31 +61,50 @@ patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const a
   return all;
 }
 
+at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& vh, const at::Tensor& seq_idx, ForwardContext* ctx,
+                                         at::Tensor* scores_out) {
+  const int64_t B = vh.size(0), L = vh.size(1);
+  if (kind_ == "full") return std::get<0>(ops::causal_attention(q, k, vh, seq_idx, 0, 1.0));
+  if (kind_ == "hsa") {
+    at::Tensor lists;
+    at::Tensor out = hsa->forward(qk_in, q, k, vh, seq_idx, 1.0, ctx && ctx->record ? &lists : nullptr);
+    if (ctx && ctx->record) ctx->record->push_back({{lists.flatten(3), at::Tensor()}, {}, {}, {}});
+    return out;
+  }
+  if (kind_ == "dma") {
+    at::Tensor delta = dma->forward(vh.reshape({B, L, v_dim_}));  // δ (B, L, H)
+    if (ctx && ctx->record) {
+      torch::NoGradGuard ng;
+      ctx->record->push_back({patterns::top_k_prefix(delta.detach(), keys_per_part_, seq_idx), {}, {}, delta.detach()});
+    }
+    if (scores_out) *scores_out = delta;
+    return dma_attention(q, k, vh, delta, keys_per_part_, seq_idx, 1.0);
+  }
+  at::Tensor scores;
+  patterns::KeyLists lists = key_lists(q, k, seq_idx, ctx, &scores);
+  if (ctx && ctx->record) {
+    PatternRecord rec{lists, {}, {}, scores.defined() ? scores.detach() : scores};
+    if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {
+      at::Tensor proj = lsh_projection(ctx).to(q.scalar_type());
+      rec.q_bucket = patterns::lsh_buckets(q.detach(), proj, binning_, seq_idx);
+      rec.k_bucket = patterns::lsh_buckets(k.detach(), proj, binning_, seq_idx);
+    }
+    ctx->record->push_back(rec);
+  }
+  if (scores_out) *scores_out = scores;
+  return std::get<0>(ops::sparse_attention(q, k, vh, lists.idx, {}, {}, lists.q_order, 1.0));
+}
+
 at::Tensor SparseAttentionBranch::forward(const at::Tensor& qk_in, const at::Tensor& v, const at::Tensor& seq_idx,
                                           ForwardContext* ctx) {
   const int64_t B = v.size(0), L = v.size(1);
   auto [q, k] = queries_keys(qk_in);
-  at::Tensor vh = v.reshape({B, L, H_, v_dim_ / H_});
-  at::Tensor out;
-  if (kind_ == "full") {
-    out = std::get<0>(ops::causal_attention(q, k, vh, seq_idx, 0, 1.0));
-  } else {
-    at::Tensor scores;
-    patterns::KeyLists lists = key_lists(q, k, seq_idx, ctx, &scores);
-    if (ctx && ctx->record) {
-      PatternRecord rec{lists, {}, {}, scores.defined() ? scores.detach() : scores};
-      if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {
-        at::Tensor proj = lsh_projection(ctx).to(q.scalar_type());
-        rec.q_bucket = patterns::lsh_buckets(q.detach(), proj, binning_, seq_idx);
-        rec.k_bucket = patterns::lsh_buckets(k.detach(), proj, binning_, seq_idx);
-      }
-      ctx->record->push_back(rec);
-    }
-    out = std::get<0>(ops::sparse_attention(q, k, vh, lists.idx, {}, {}, lists.q_order, 1.0));
-    if (scores.defined() && ctx && ctx->training)
-      ctx->ranking_losses.push_back(ranking_loss(scores, q.detach(), k.detach(), seq_idx, ctx->valid, candidates_,
-                                                 derive_seed(ctx->seed, 0x45, (uint64_t)layer_)));
-  }
+  at::Tensor scores;
+  at::Tensor out = attend(qk_in, q, k, v.reshape({B, L, H_, v_dim_ / H_}), seq_idx, ctx, &scores);
+  if (scorer && ctx && ctx->training)
+    ctx->ranking_losses.push_back(ranking_loss(scores, q.detach(), k.detach(), seq_idx, ctx->valid, candidates_,
+                                               derive_seed(ctx->seed, 0x45, (uint64_t)layer_)));
   return out.reshape({B, L, v_dim_}) * E;
 }
 
@@ -96,8 +119,13 @@ at::Tensor SparseAttentionBranch::step(const at::Tensor& qk_in, const at::Tensor
   // q_sum holds Σ q of all tokens (Key Selection's query context); the queries themselves are
   // kept too for LSH, whose centering needs every past query.
   st.q_sum = st.q_sum.defined() ? st.q_sum + q.squeeze(1).detach() : q.squeeze(1).detach();
-  at::Tensor idx;  // (B, H, 1, K)
-  if (kind_ == "full") {
+  if (kind_ == "hsa") return hsa->step(qk_in, q, st.keys, st.values, st, 1.0).reshape({B, v_dim_}) * E;
+  at::Tensor idx, bias;  // (B, H, 1, K), (B, H, t + 1)
+  if (kind_ == "dma") {
+    append(st.key_scores, dma->forward(v.view({B, 1, v_dim_})).detach());  // δ of the new key
+    idx = patterns::top_k_prefix(st.key_scores, keys_per_part_, {}).idx.narrow(2, t, 1);
+    bias = st.key_scores.permute({0, 2, 1}).contiguous();
+  } else if (kind_ == "full") {
     idx = at::arange(t + 1, at::TensorOptions().dtype(at::kInt)).view({1, 1, 1, t + 1}).expand({B, H_, 1, t + 1});
   } else {
     at::Tensor scores;
@@ -120,7 +148,7 @@ at::Tensor SparseAttentionBranch::step(const at::Tensor& qk_in, const at::Tensor
     patterns::KeyLists lists = key_lists(qs_all, st.keys, {}, ctx, &scores);
     idx = lists.idx.narrow(2, t, 1);
   }
-  at::Tensor out = std::get<0>(ops::sparse_attention(q, st.keys, st.values, idx.contiguous(), {}, {}, {}, 1.0));
+  at::Tensor out = std::get<0>(ops::sparse_attention(q, st.keys, st.values, idx.contiguous(), bias, {}, {}, 1.0));
   return out.reshape({B, v_dim_}) * E;
 }
 

@@ -2,15 +2,19 @@
 //
 // Q and K come from a new projection of the mixer's post-conv input (K scaled by 1/sqrt(N), as
 // the reference), V is the post-conv x itself, split among the heads; the pattern chooses each
-// query's keys (sliding window, dilated, sink, LSH, Key Selection, their unions, or all of them
-// for "full"); the output is gated per channel by E (initialized to ones) and added to the SSM's
-// output by the mixer.
+// query's keys (sliding window, dilated, sink, LSH, Key Selection, their unions, DMA's top keys
+// of δ with δ as a score bias, HSA's retrieved chunks with their weights, or all of them for
+// "full"); the output is gated per channel by E (initialized to ones) and added to the SSM's
+// output by the mixer. HSA retrieves with the post-conv input too (its retrieval queries and
+// chunk landmarks are computed from it).
 #pragma once
 #include <torch/torch.h>
 
 #include <memory>
 
+#include "layers/dma.h"
 #include "layers/forward_context.h"
+#include "layers/hsa.h"
 #include "layers/key_scorer.h"
 #include "layers/mixer.h"
 #include "models/model_config.h"
@@ -34,6 +38,12 @@ class SparseAttentionBranch : public torch::nn::Module {
   // token gives what forward gives (under the same ctx seed).
   at::Tensor step(const at::Tensor& qk_in, const at::Tensor& v, MixerState& state, const ForwardContext* ctx);
 
+  // The attention output (B, L, H, Dv) for queries and keys q, k (B, L, H, N), values vh
+  // (B, L, H, Dv) and the projection's input qk_in (HSA's retrieval input), before the gate E.
+  // Key Selection scores or DMA weights go to *scores (B, L, H) when it is given.
+  at::Tensor attend(const at::Tensor& qk_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& vh,
+                    const at::Tensor& seq_idx, ForwardContext* ctx, at::Tensor* scores);
+
   // Queries and keys (B, L, H, N) of qk_in.
   std::pair<at::Tensor, at::Tensor> queries_keys(const at::Tensor& qk_in);
   // The pattern's key lists for q, k (not for "full"). The Key Selection scores are computed
@@ -46,6 +56,8 @@ class SparseAttentionBranch : public torch::nn::Module {
   torch::nn::Linear qk_proj{nullptr};     // qk_in_dim -> 2·H·N: [K; Q], as the reference's xx_proj
   at::Tensor E;                           // (v_dim) output gate, ones at init
   std::shared_ptr<KeyScorer> scorer;      // Key Selection scorer (ks, hax only)
+  std::shared_ptr<DynamicMaskWeights> dma;          // DMA's δ (dma only)
+  std::shared_ptr<HierarchicalSparseAttention> hsa;  // HSA's retrieval (hsa only)
 
   const std::string& kind() const { return kind_; }
   int64_t heads() const { return H_; }

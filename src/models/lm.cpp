@@ -3,7 +3,7 @@
 
 #include "layers/mamba.h"
 #include "layers/mamba2.h"
-#include "layers/swa.h"
+#include "layers/attention_layer.h"
 #include "ops/rmsnorm/rmsnorm.h"
 
 namespace hax {
@@ -11,9 +11,10 @@ namespace hax {
 std::shared_ptr<Mixer> make_mixer(const ModelConfig& cfg, int64_t layer) {
   if (cfg.mixer == "mamba") return std::make_shared<MambaMixer>(cfg, layer);
   if (cfg.mixer == "samba") {
-    if (layer % 2 == 1) return std::make_shared<SlidingWindowAttention>(cfg);
+    if (layer % 2 == 1) return std::make_shared<AttentionLayer>(cfg, "swa");
     return std::make_shared<MambaMixer>(cfg, layer);
   }
+  if (cfg.mixer == "transformer") return std::make_shared<AttentionLayer>(cfg, cfg.attention);
   return std::make_shared<Mamba2Mixer>(cfg, layer);
 }
 
@@ -49,7 +50,7 @@ LanguageModel::LanguageModel(const ModelConfig& cfg) : cfg_(cfg) {
   auto list = backbone->register_module("layers", std::make_shared<torch::nn::Module>());
   for (int64_t i = 0; i < cfg.n_layers; ++i)
     layers.push_back(
-        list->register_module(std::to_string(i), std::make_shared<Block>(cfg, make_mixer(cfg, i), cfg.mixer == "samba")));
+        list->register_module(std::to_string(i), std::make_shared<Block>(cfg, make_mixer(cfg, i), cfg.mixer == "samba" || cfg.mixer == "transformer")));
   norm_f = param_group(*backbone, "norm_f")->add("weight", at::ones({cfg.d_model}));
   if (!cfg.tie_embeddings)
     lm_head = register_module("lm_head",
@@ -89,6 +90,16 @@ std::map<std::string, at::Tensor> LanguageModel::state_tensors() {
   std::map<std::string, at::Tensor> out;
   for (const auto& p : named_parameters()) out[p.key()] = p.value();
   return out;
+}
+
+int64_t LanguageModel::set_swa_window(int64_t window) {
+  int64_t n = 0;
+  for (auto& l : layers)
+    if (auto* a = dynamic_cast<AttentionLayer*>(l->mixer.get()); a && a->kind() != "full" && a->kind() != "dma") {
+      a->set_window(window);
+      ++n;
+    }
+  return n;
 }
 
 }  // namespace hax

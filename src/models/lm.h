@@ -52,6 +52,10 @@ class LanguageModel : public torch::nn::Module {
   // name -> parameter, in a stable order (the names of the safetensors file).
   std::map<std::string, at::Tensor> state_tensors();
 
+  // Sets the window of every sliding-window attention layer (a window warm-up schedule's step);
+  // returns how many layers have one.
+  int64_t set_swa_window(int64_t window);
+
   torch::nn::Embedding embedding{nullptr};
   std::vector<std::shared_ptr<Block>> layers;
   at::Tensor norm_f;                   // (d_model)

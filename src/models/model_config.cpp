@@ -15,8 +15,8 @@ std::vector<std::string> ModelConfig::sparse_parts() const {
 }
 
 void ModelConfig::validate() const {
-  HAX_CHECK(mixer == "mamba" || mixer == "mamba2" || mixer == "samba",
-            "--mixer {} is unknown; choose mamba, mamba2 or samba", mixer);
+  HAX_CHECK(mixer == "mamba" || mixer == "mamba2" || mixer == "samba" || mixer == "transformer",
+            "--mixer {} is unknown; choose mamba, mamba2, samba or transformer", mixer);
   auto positive = [](const char* flag, int64_t v) { HAX_CHECK(v > 0, "{} {} must be positive", flag, v); };
   positive("--vocab-size", vocab_size);
   positive("--d-model", d_model);
@@ -29,11 +29,20 @@ void ModelConfig::validate() const {
             dt_min, dt_max);
   HAX_CHECK(norm_eps > 0, "--norm-eps {} must be positive", norm_eps);
   HAX_CHECK(init_std > 0, "--init-std {} must be positive", init_std);
-  const std::vector<std::string> kinds = {"none", "sw", "d", "sw+d", "a", "lsh", "ks", "hax", "full"};
+  const std::vector<std::string> kinds = {"none", "sw", "d", "sw+d", "a", "lsh", "ks", "hax", "dma", "hsa", "full"};
   HAX_CHECK(std::find(kinds.begin(), kinds.end(), sparse) != kinds.end(),
-            "--sparse {} is unknown; choose none, sw, d, sw+d, a, lsh, ks, hax or full", sparse);
+            "--sparse {} is unknown; choose none, sw, d, sw+d, a, lsh, ks, hax, dma, hsa or full", sparse);
+  auto check_hsa = [&] {
+    positive("--hsa-chunk", hsa_chunk);
+    positive("--hsa-topk", hsa_topk);
+    HAX_CHECK(hsa_landmark == "cls" || hsa_landmark == "mean", "--hsa-landmark {} is unknown; choose cls or mean",
+              hsa_landmark);
+    HAX_CHECK(hsa_dim >= 0, "--hsa-dim {} must be >= 0 (0 uses the input width)", hsa_dim);
+  };
   if (has_sparse()) {
-    HAX_CHECK(mixer != "samba", "--sparse {} needs --mixer mamba or mamba2 (samba has its own attention layers)", sparse);
+    HAX_CHECK(mixer == "mamba" || mixer == "mamba2",
+              "--sparse {} needs --mixer mamba or mamba2 (--mixer {} has its own attention layers)", sparse, mixer);
+    if (sparse == "hsa") check_hsa();
     const int64_t parts = (int64_t)sparse_parts().size();
     HAX_CHECK(sparse_keys >= parts, "--sparse-keys {} must be at least {} (one key per part of --sparse {})",
               sparse_keys, parts, sparse);
@@ -57,7 +66,14 @@ void ModelConfig::validate() const {
     HAX_CHECK(ks_hidden >= 0, "--ks-hidden {} must be >= 0 (0 uses 2 * qk-dim)", ks_hidden);
     HAX_CHECK(ks_candidates >= 0, "--ks-candidates {} must be >= 0 (0 uses the keys per part)", ks_candidates);
   }
-  if (mixer == "samba") {
+  if (mixer == "transformer") {
+    const std::vector<std::string> kinds2 = {"full", "swa", "swa+hsa", "dma"};
+    HAX_CHECK(std::find(kinds2.begin(), kinds2.end(), attention) != kinds2.end(),
+              "--attention {} is unknown; choose full, swa, swa+hsa or dma", attention);
+    if (attention == "swa+hsa") check_hsa();
+    if (attention == "dma") positive("--sparse-keys", sparse_keys);
+  }
+  if (mixer == "samba" || mixer == "transformer") {
     positive("--swa-window", swa_window);
     positive("--swa-heads", swa_heads);
     HAX_CHECK(d_model % swa_heads == 0, "--swa-heads {} must divide --d-model {}", swa_heads, d_model);
@@ -87,7 +103,9 @@ nlohmann::ordered_json ModelConfig::to_json() const {
           {"sparse", sparse}, {"sparse_keys", sparse_keys}, {"attn_heads", attn_heads}, {"qk_dim", qk_dim},
           {"qk_init", qk_init}, {"lsh_bits", lsh_bits}, {"lsh_binning", lsh_binning},
           {"dilated_span", dilated_span}, {"ks_hidden", ks_hidden}, {"ks_candidates", ks_candidates},
-          {"swa_window", swa_window}, {"swa_heads", swa_heads}, {"mlp_ratio", mlp_ratio}, {"rope_theta", rope_theta}};
+          {"hsa_chunk", hsa_chunk}, {"hsa_topk", hsa_topk}, {"hsa_landmark", hsa_landmark}, {"hsa_dim", hsa_dim},
+          {"attention", attention}, {"swa_window", swa_window}, {"swa_heads", swa_heads}, {"mlp_ratio", mlp_ratio},
+          {"rope_theta", rope_theta}};
 }
 
 }  // namespace hax
@@ -108,6 +126,8 @@ ModelConfig model_config_from_json(const nlohmann::json& j) {
   get("sparse", c.sparse), get("sparse_keys", c.sparse_keys), get("attn_heads", c.attn_heads);
   get("qk_dim", c.qk_dim), get("qk_init", c.qk_init), get("lsh_bits", c.lsh_bits), get("lsh_binning", c.lsh_binning);
   get("dilated_span", c.dilated_span), get("ks_hidden", c.ks_hidden), get("ks_candidates", c.ks_candidates);
+  get("hsa_chunk", c.hsa_chunk), get("hsa_topk", c.hsa_topk), get("hsa_landmark", c.hsa_landmark);
+  get("hsa_dim", c.hsa_dim), get("attention", c.attention);
   get("swa_window", c.swa_window), get("swa_heads", c.swa_heads), get("mlp_ratio", c.mlp_ratio);
   get("rope_theta", c.rope_theta);
   c.validate();

@@ -8,9 +8,10 @@
 namespace hax {
 
 struct ModelConfig {
-  std::string mixer = "mamba2";  // sequence mixer: "mamba" (S6), "mamba2" (SSD), or "samba" (Mamba
+  std::string mixer = "mamba2";  // sequence mixer: "mamba" (S6), "mamba2" (SSD), "samba" (Mamba
                                  // layers interleaved with sliding-window attention layers, each
-                                 // block followed by a SwiGLU MLP)
+                                 // block followed by a SwiGLU MLP), or "transformer" (attention
+                                 // layers of kind `attention`, each followed by a SwiGLU MLP)
   int64_t vocab_size = 100;      // embedding rows; must exceed the task's largest token id
   int64_t d_model = 64;          // residual stream width
   int64_t n_layers = 2;          // number of residual blocks
@@ -30,7 +31,7 @@ struct ModelConfig {
   bool rescale_prenorm_residual = true;  // scale out_proj init by 1/sqrt(n_layers), as mamba_ssm
 
   // Sparse attention branch inside every Mamba / Mamba-2 mixer (the paper's Figure 3).
-  std::string sparse = "none";   // none | sw | d | sw+d | a | lsh | ks | hax | full
+  std::string sparse = "none";   // none | sw | d | sw+d | a | lsh | ks | hax | dma | hsa | full
   int64_t sparse_keys = 64;      // k: keys per query, split evenly across the parts of a union
                                  // (sw+d, a = sw+sink, hax = lsh+ks), as in the reference
   int64_t attn_heads = 1;        // heads of the branch; the values (the post-conv x) are split among them
@@ -41,8 +42,18 @@ struct ModelConfig {
   int64_t dilated_span = 2048;   // dilated stride r = dilated_span / k_part (reference: 2048 / k)
   int64_t ks_hidden = 0;         // Key Selection scorer MLP width; 0 = 2 * qk_dim (the reference)
   int64_t ks_candidates = 0;     // keys sampled per row for the ranking loss; 0 = k_part
+  // DMA (sparse = "dma", attention = "dma") attends to the top sparse_keys keys of its δ.
+  // HSA (sparse = "hsa", attention = "swa+hsa"): chunks, retrieval and landmarks.
+  int64_t hsa_chunk = 64;        // tokens per chunk (seed: 64)
+  int64_t hsa_topk = 4;          // chunks each query retrieves (seed: 64 at 16M tokens)
+  std::string hsa_landmark = "cls";  // "cls" (bidirectional chunk encoder with a CLS token) or "mean"
+  int64_t hsa_dim = 0;           // retrieval width (landmarks, retrieval queries); 0 = the HSA input width
 
   // Samba (mixer = "samba"): layers alternate Mamba and sliding-window attention.
+  // Transformer (mixer = "transformer"): every layer is attention of this kind: "full" (causal,
+  // RoPE), "swa" (sliding window, RoPE), "swa+hsa" (sliding window with RoPE plus HSA without
+  // positions, summed: the HSA seed's model) or "dma" (dynamic mask attention, RoPE).
+  std::string attention = "swa";
   int64_t swa_window = 64;       // keys per query of the attention layers (paper: 64)
   int64_t swa_heads = 4;         // attention heads (head dim = d_model / swa_heads)
   double mlp_ratio = 4.0;        // SwiGLU hidden width = round8(mlp_ratio * d_model * 2 / 3)
@@ -55,6 +66,7 @@ struct ModelConfig {
   int64_t qk_dim_resolved() const { return qk_dim > 0 ? qk_dim : d_state; }
   int64_t ks_hidden_resolved() const { return ks_hidden > 0 ? ks_hidden : 2 * qk_dim_resolved(); }
   bool has_sparse() const { return sparse != "none"; }
+  int64_t hsa_dim_for(int64_t input_width) const { return hsa_dim > 0 ? hsa_dim : input_width; }
   // The parts of the sparse pattern ("sw", "d", "sink", "lsh", "ks", or "full") and k per part.
   std::vector<std::string> sparse_parts() const;
   int64_t keys_per_part() const { return sparse_keys / (int64_t)sparse_parts().size(); }

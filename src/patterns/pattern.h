@@ -61,3 +61,30 @@ KeyLists merge(const KeyLists& a, const KeyLists& b);
 at::Tensor key_counts(const KeyLists& lists);
 
 }  // namespace hax::patterns
+
+namespace hax::patterns {
+
+// HSA's chunks (DESIGN.md section 2): every packed sequence [s, e) of a row is cut into chunks of
+// `chunk` tokens from its start, s + m·chunk .. s + (m+1)·chunk - 1, complete ones only. Query i
+// of that sequence may retrieve the chunks before its own, m < (i - s) / chunk (integer division):
+// never the chunk it is in, never a future one.
+struct ChunkLayout {
+  int64_t chunk = 0;      // tokens per chunk
+  at::Tensor start;       // (B, NC) int32: first position of each chunk of the row, in order; -1 past the row's last chunk
+  at::Tensor lo, hi;      // (B, L) int32: query i may retrieve the chunks [lo, hi) of its row
+};
+ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq_idx);
+
+// The top-k chunks of each query by retrieval score q_ret[b, i] · landmarks[b, c] among the chunks
+// [lo, hi) it may retrieve (ties: the earlier chunk), ascending, -1 where fewer than k exist.
+// q_ret (B, L, D), landmarks (B, NC, D), lo / hi (B, L) int32. Returns (B, L, k) int32. Computed
+// query block by query block against the landmarks (memory O(L·k), no L x NC tensor).
+at::Tensor top_k_chunks(const at::Tensor& q_ret, const at::Tensor& landmarks, const at::Tensor& lo,
+                        const at::Tensor& hi, int64_t k);
+
+// The attention lists of retrieved chunks: segment s of query i holds the `chunk` positions of
+// chunk chunks[b, i, s] (all -1 when it is -1), the same for every head. chunks (B, L, k) int32,
+// start from chunk_layout. Returns (B, H, L, k, chunk) int32.
+at::Tensor chunk_lists(const at::Tensor& chunks, const at::Tensor& start, int64_t chunk, int64_t H);
+
+}  // namespace hax::patterns

@@ -29,6 +29,10 @@ void TrainConfig::validate() const {
   HAX_CHECK(adam_eps > 0, "--adam-eps {} must be positive", adam_eps);
   HAX_CHECK(grad_clip >= 0, "--grad-clip {} must be >= 0 (0 disables clipping)", grad_clip);
   HAX_CHECK(ranking_alpha >= 0, "--ranking-alpha {} must be >= 0", ranking_alpha);
+  HAX_CHECK(swa_warmup_window >= 0, "--swa-warmup-window {} must be >= 0 (0 disables the warm-up)", swa_warmup_window);
+  HAX_CHECK(swa_warmup_steps >= 0, "--swa-warmup-steps {} must be >= 0", swa_warmup_steps);
+  HAX_CHECK(swa_warmup_window == 0 || swa_warmup_steps > 0,
+            "--swa-warmup-window {} needs --swa-warmup-steps > 0 (got {})", swa_warmup_window, swa_warmup_steps);
   HAX_CHECK(pack_len >= 0, "--pack-len {} must be >= 0 (0 uses the task's longest sample)", pack_len);
 }
 
@@ -40,7 +44,8 @@ nlohmann::ordered_json TrainConfig::to_json() const {
           {"schedule", schedule},     {"warmup_steps", warmup_steps},
           {"weight_decay", weight_decay}, {"beta1", beta1},
           {"beta2", beta2},           {"adam_eps", adam_eps},
-          {"grad_clip", grad_clip},   {"ranking_alpha", ranking_alpha}, {"pack", pack},
+          {"grad_clip", grad_clip},   {"ranking_alpha", ranking_alpha},
+          {"swa_warmup_window", swa_warmup_window}, {"swa_warmup_steps", swa_warmup_steps}, {"pack", pack},
           {"pack_len", pack_len},     {"log_every", log_every},
           {"eval_every", eval_every}, {"save_every", save_every},
           {"n_valid", n_valid},       {"n_test", n_test},

@@ -23,6 +23,11 @@ struct TrainConfig {
   double adam_eps = 1e-8;
   double grad_clip = 1.0;       // clip the global gradient norm to this; 0 disables
   double ranking_alpha = 0.1;   // weight α of the summed Key Selection ranking losses (reference: 0.1)
+  // Window warm-up (HSA seed): the sliding-window attention layers train with a window of
+  // swa_warmup_window keys for the first swa_warmup_steps steps, then with the model's
+  // --swa-window, so that a small window makes the model learn to retrieve first. 0 = off.
+  int64_t swa_warmup_window = 0;
+  int64_t swa_warmup_steps = 0;
   bool pack = true;             // pack variable-length samples into rows (state resets between them)
   int64_t pack_len = 0;         // packed row length in tokens; 0 = the task's max sample length
   int64_t log_every = 50;       // steps between training-metric lines

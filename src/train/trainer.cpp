@@ -77,6 +77,11 @@ TrainSummary train(const RunConfig& run) {
   torch::manual_seed(tc.seed);
   LanguageModel model(run.model);
   model.train();
+  if (tc.swa_warmup_window > 0)
+    HAX_CHECK(model.set_swa_window(run.model.swa_window) > 0,
+              "--swa-warmup-window {} needs sliding-window attention layers (--mixer samba, or --mixer transformer "
+              "with --attention swa or swa+hsa); --mixer {} has none",
+              tc.swa_warmup_window, run.model.mixer);
   auto params = model.state_tensors();
   AdamW opt(params, {tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay});
 
@@ -116,6 +121,8 @@ TrainSummary train(const RunConfig& run) {
     for (int64_t i = 0; i < tc.batch_size; ++i) samples.push_back(stream.at(step * tc.batch_size + i));
     Batch batch = make_batch(samples, tc.pack, pack_len);
     const double lr = learning_rate(step, tc.steps, tc.lr, tc.min_lr, tc.warmup_steps, tc.schedule);
+    if (tc.swa_warmup_window > 0)  // validations during the warm-up see the window the model trains with
+      model.set_swa_window(step < tc.swa_warmup_steps ? tc.swa_warmup_window : run.model.swa_window);
     ForwardContext ctx;
     ctx.training = true;
     ctx.seed = derive_seed(tc.seed, 0x57E9, (uint64_t)step);  // LSH hash resampled every step
@@ -194,7 +201,8 @@ TrainSummary train(const RunConfig& run) {
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   if (summary.interrupted) return summary;
 
-  // Final test accuracy of the best-validation model.
+  // Final test accuracy of the best-validation model, with the model's own window.
+  model.set_swa_window(run.model.swa_window);
   if (path_exists(best_path)) load_weights(model, read_checkpoint(best_path), best_path);
   EvalResult t = evaluate(model, splits.test, tc.eval_batch_size, tc.pack, pack_len, eval_seed(tc.seed));
   summary.test_acc = t.accuracy;

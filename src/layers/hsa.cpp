@@ -1,0 +1,106 @@
+#include "layers/hsa.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "layers/project.h"
+#include "ops/attention/attention.h"
+#include "ops/rmsnorm/rmsnorm.h"
+
+namespace hax {
+
+ChunkEncoder::ChunkEncoder(int64_t d_in, int64_t d_ret, const std::string& kind) : kind_(kind), d_ret_(d_ret) {
+  HAX_CHECK(kind == "cls" || kind == "mean", "--hsa-landmark {} is unknown; choose cls or mean", kind);
+  using torch::nn::Linear;
+  using torch::nn::LinearOptions;
+  in_proj = register_module("in_proj", Linear(LinearOptions(d_in, d_ret).bias(false)));
+  if (kind == "cls") {
+    qkv = register_module("qkv", Linear(LinearOptions(d_ret, 3 * d_ret).bias(false)));
+    out = register_module("out", Linear(LinearOptions(d_ret, d_ret).bias(false)));
+    cls = register_parameter("cls", at::randn({d_ret}) * 0.02);
+    norm1 = register_parameter("norm1", at::ones({d_ret}));
+    norm2 = register_parameter("norm2", at::ones({d_ret}));
+  }
+}
+
+at::Tensor ChunkEncoder::forward(const at::Tensor& x, const at::Tensor& start, int64_t chunk) {
+  const int64_t B = x.size(0), L = x.size(1), d = x.size(2), NC = start.size(1);
+  if (NC == 0 || L == 0) return at::zeros({B, NC, d_ret_}, x.options());
+  // The chunks' tokens (B, NC, C, d_in); missing chunks read clamped positions (never retrieved).
+  const at::Tensor pos = (start.to(at::kLong).clamp_min(0).unsqueeze(-1) +
+                          at::arange(chunk, at::TensorOptions().dtype(at::kLong).device(x.device())))
+                             .clamp_max(L - 1);
+  const at::Tensor xc = at::gather(x, 1, pos.view({B, NC * chunk, 1}).expand({B, NC * chunk, d})).view({B, NC, chunk, d});
+  if (kind_ == "mean") return project(in_proj, xc.mean(2));
+  // [CLS; tokens] through one pre-norm bidirectional attention layer; the landmark is CLS's output.
+  const at::Tensor h = project(in_proj, xc);                                          // (B, NC, C, d_ret)
+  const at::Tensor seq = at::cat({cls.view({1, 1, 1, d_ret_}).expand({B, NC, 1, d_ret_}), h}, 2);  // (B, NC, C+1, d_ret)
+  const at::Tensor u = ops::rmsnorm(seq, at::Tensor(), norm1, 1e-5, 0);
+  const auto parts = project(qkv, u).chunk(3, -1);
+  const at::Tensor att = at::softmax(at::matmul(parts[0], parts[1].transpose(-1, -2)) / std::sqrt((double)d_ret_), -1);
+  const at::Tensor y = seq + project(out, at::matmul(att, parts[2]));
+  return ops::rmsnorm(y.select(2, 0).contiguous(), at::Tensor(), norm2, 1e-5, 0);
+}
+
+HierarchicalSparseAttention::HierarchicalSparseAttention(int64_t d_in, int64_t d_ret, int64_t chunk, int64_t topk,
+                                                         const std::string& landmark)
+    : d_ret_(d_ret), chunk_(chunk), topk_(topk) {
+  ret_q = register_module("ret_q", torch::nn::Linear(torch::nn::LinearOptions(d_in, d_ret).bias(false)));
+  encoder = register_module("encoder", std::make_shared<ChunkEncoder>(d_in, d_ret, landmark));
+}
+
+std::pair<at::Tensor, at::Tensor> HierarchicalSparseAttention::select(const at::Tensor& qr, const at::Tensor& lm,
+                                                                      const at::Tensor& lo, const at::Tensor& hi) {
+  const int64_t B = qr.size(0), Lq = qr.size(1), NC = lm.size(1);
+  const at::Tensor chunks = patterns::top_k_chunks(qr, lm, lo, hi, topk_);  // (B, Lq, k)
+  if (NC == 0) return {chunks, at::zeros({B, Lq, topk_}, qr.options())};
+  const at::Tensor valid = chunks >= 0;
+  const at::Tensor c = chunks.to(at::kLong).clamp_min(0).view({B, Lq * topk_, 1}).expand({B, Lq * topk_, d_ret_});
+  const at::Tensor sel = at::gather(lm, 1, c).view({B, Lq, topk_, d_ret_});
+  at::Tensor s = (qr.unsqueeze(2) * sel).sum(-1) / std::sqrt((double)d_ret_);
+  // Missing chunks get a finite, very low score (a row with none stays finite) and weight 0.
+  s = s.masked_fill(valid.logical_not(), -1e30);
+  return {chunks, at::softmax(s, -1) * valid.to(s.scalar_type())};
+}
+
+std::pair<at::Tensor, at::Tensor> HierarchicalSparseAttention::retrieve(const at::Tensor& x, const at::Tensor& seq_idx) {
+  const patterns::ChunkLayout lay = patterns::chunk_layout(x.size(0), x.size(1), chunk_, seq_idx);
+  return select(project(ret_q, x), encoder->forward(x, lay.start, chunk_), lay.lo, lay.hi);
+}
+
+at::Tensor HierarchicalSparseAttention::forward(const at::Tensor& x, const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, const at::Tensor& seq_idx, double scale,
+                                                at::Tensor* lists_out) {
+  const int64_t B = x.size(0), L = x.size(1), H = q.size(2);
+  const patterns::ChunkLayout lay = patterns::chunk_layout(B, L, chunk_, seq_idx);
+  auto [chunks, w] = select(project(ret_q, x), encoder->forward(x, lay.start, chunk_), lay.lo, lay.hi);
+  const at::Tensor idx = patterns::chunk_lists(chunks, lay.start, chunk_, H);  // (B, H, L, k, C)
+  const at::Tensor seg_w = w.unsqueeze(1).expand({B, H, L, topk_}).contiguous();
+  if (lists_out) *lists_out = idx;
+  return std::get<0>(ops::sparse_attention(q, k, v, idx, {}, seg_w, {}, scale));
+}
+
+at::Tensor HierarchicalSparseAttention::step(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys,
+                                             const at::Tensor& values, MixerState& st, double scale) {
+  const int64_t B = x.size(0), H = q.size(2), t = st.pos;
+  const auto i32 = at::TensorOptions().dtype(at::kInt).device(x.device());
+  // The chunks complete before this token's own chunk: exactly t / C of them are cached.
+  const at::Tensor lm = st.landmarks.defined() ? st.landmarks : at::zeros({B, 0, d_ret_}, x.options());
+  const int64_t NC = lm.size(1);
+  const at::Tensor start = (at::arange(NC, i32) * chunk_).view({1, NC}).expand({B, NC}).contiguous();
+  auto [chunks, w] = select(project(ret_q, x).unsqueeze(1), lm, at::zeros({B, 1}, i32), at::full({B, 1}, t / chunk_, i32));
+  const at::Tensor idx = patterns::chunk_lists(chunks, start, chunk_, H);  // (B, H, 1, k, C)
+  const at::Tensor seg_w = w.unsqueeze(1).expand({B, H, 1, topk_}).contiguous();
+  at::Tensor out = std::get<0>(ops::sparse_attention(q, keys, values, idx, {}, seg_w, {}, scale));
+  // This token's input joins its chunk; a completed chunk gets its landmark.
+  const at::Tensor xi = x.detach().unsqueeze(1);
+  st.chunk_inputs = st.chunk_inputs.defined() ? at::cat({st.chunk_inputs, xi}, 1) : xi;
+  if (st.chunk_inputs.size(1) == chunk_) {
+    const at::Tensor l = encoder->forward(st.chunk_inputs, at::zeros({B, 1}, i32), chunk_).detach();
+    st.landmarks = st.landmarks.defined() ? at::cat({st.landmarks, l}, 1) : l;
+    st.chunk_inputs = at::Tensor();
+  }
+  return out;
+}
+
+}  // namespace hax
