@@ -56,6 +56,7 @@ nlohmann::json run_attention_bench(const AttentionBenchConfig& cfg) {
       const int64_t B = 1, H = cfg.heads;
       at::Tensor q0 = at::randn({B, L, H, D}), k0 = at::randn({B, L, H, D}) / std::sqrt((double)D);
       at::Tensor v0 = at::randn({B, L, H, D});
+      at::Tensor x0 = at::randn({B, L, D});  // the branch's input: HSA retrieves from it
       // Full attention first, so that every sparse row can show its speed-up at this length.
       std::vector<std::string> order = {"full"};
       for (auto& p : cfg.patterns)
@@ -67,14 +68,12 @@ nlohmann::json run_attention_bench(const AttentionBenchConfig& cfg) {
         mc.d_model = D, mc.d_state = D, mc.sparse = pattern, mc.sparse_keys = cfg.keys, mc.attn_heads = H;
         mc.qk_dim = D;
         mc.dilated_span = std::max<int64_t>(2048, L);  // stride spreads the dilated keys over the sequence
+        mc.hsa_chunk = 64, mc.hsa_topk = std::max<int64_t>(1, cfg.keys / 64);  // HSA: k keys = k / 64 chunks
         torch::manual_seed(1);
         SparseAttentionBranch branch(mc, D, D * H, 0);
         ForwardContext ctx;
         auto fwd = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-          if (pattern == "full") return std::get<0>(ops::causal_attention(q, k, v, {}, 0, 1.0));
-          at::Tensor scores;
-          patterns::KeyLists lists = branch.key_lists(q, k, {}, &ctx, &scores);
-          return std::get<0>(ops::sparse_attention(q, k, v, lists.idx, {}, {}, lists.q_order, 1.0));
+          return branch.attend(x0, q, k, v, {}, &ctx, nullptr);
         };
         Timing tf = time_it([&] {
           torch::NoGradGuard ng;

@@ -42,7 +42,7 @@ Command add_bench_command(CLI::App& app) {
                                    "forward, forward+backward and peak memory");
   struct AttnState {
     bench::AttentionBenchConfig cfg;
-    std::string patterns = "sw,d,sw+d,a,lsh,ks,hax,full", lengths = "1k,4k,16k,64k", dims = "32,64";
+    std::string patterns = "sw,d,sw+d,a,lsh,ks,hax,dma,hsa,full", lengths = "1k,4k,16k,64k", dims = "32,64";
     std::string json = "bench-attention.json", device = "cpu";
     int threads = 0;
   };
@@ -67,10 +67,10 @@ Command add_bench_command(CLI::App& app) {
       cfg.patterns.clear();
       std::stringstream ss(at_st->patterns);
       std::string p;
-      const std::vector<std::string> known = {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "full"};
+      const std::vector<std::string> known = {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "dma", "hsa", "full"};
       while (std::getline(ss, p, ',')) {
         HAX_CHECK(std::find(known.begin(), known.end(), p) != known.end(),
-                  "--patterns: `{}` is unknown; choose among sw, d, sw+d, a, lsh, ks, hax, full", p);
+                  "--patterns: `{}` is unknown; choose among sw, d, sw+d, a, lsh, ks, hax, dma, hsa, full", p);
         cfg.patterns.push_back(p);
       }
       HAX_CHECK(cfg.keys > 0, "--keys {} must be positive", cfg.keys);
