@@ -9,6 +9,7 @@
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "eval/run_reuse.h"
 #include "models/model_config.h"
 #include "train/run_config_text.h"
 #include "train/trainer.h"
@@ -108,32 +109,10 @@ void run_table1(const Table1Config& cfg) {
       run.train.n_valid = cfg.n_valid;
       run.train.n_test = cfg.n_test;
       run.train.progress = false;
-      run.train.overwrite = true;
       run.config_text = run_config_text(run.model, run.task, run.train);
-      const std::string summary_path = run.train.run_dir + "/summary.json";
-      const std::string config_path = run.train.run_dir + "/config.toml";
-      double test = NAN, seconds = NAN;
-      bool reused = false;
-      if (path_exists(summary_path) && path_exists(config_path) &&
-          read_file(config_path, "run config") == run.config_text) {
-        auto s = nlohmann::json::parse(read_file(summary_path, "run summary"));
-        test = s.at("test_acc").get<double>();
-        seconds = s.value("train_seconds_this_session", NAN);
-        reused = true;
-      } else {
-        // A run interrupted under this same config continues from its last checkpoint.
-        const bool resume = path_exists(config_path) && path_exists(last_checkpoint_path(run.train.run_dir)) &&
-                            read_file(config_path, "run config") == run.config_text;
-        run.train.resume = resume;
-        run.train.overwrite = !resume;
-        fmt::print("table1: {} {} (seed {}) for {} steps -> {}\n", resume ? "resuming" : "training", name, seed,
-                   cfg.steps, run.train.run_dir);
-        std::fflush(stdout);
-        TrainSummary s = train(run);
-        HAX_CHECK(!s.interrupted, "table1 interrupted during {} (seed {}); run it again to continue", name, seed);
-        test = s.test_acc;
-        seconds = s.seconds;
-      }
+      const ExperimentRun r = train_or_reuse(run, "table1", fmt::format("{} (seed {})", name, seed));
+      const double test = r.test_acc, seconds = r.seconds;
+      const bool reused = r.reused;
       fmt::print("table1: {} seed {}: test accuracy {:.2f}%{}\n", name, seed, 100 * test, reused ? " (reused)" : "");
       acc[name].push_back(test);
       runs.push_back({{"variant", name}, {"seed", seed}, {"test_acc", test}, {"train_seconds", seconds},
