@@ -1,4 +1,5 @@
-// Tests of the synthetic tasks (joint recall, multilevel, MQAR), their config and the splits.
+// Tests of the synthetic tasks (joint recall, multilevel, MQAR), their config and the splits (NIAH:
+// test_niah.cpp).
 // Every layout property is checked by an independent parser written here, not by fixed outputs.
 #include <gtest/gtest.h>
 
@@ -455,7 +456,7 @@ TEST(TaskConfig, ValidDefaults) {
     EXPECT_NO_THROW(c.validate()) << name;
     EXPECT_EQ(hax::make_task(c)->name(), name);
   }
-  EXPECT_EQ(hax::task_names(), (std::vector<std::string>{"joint_recall", "multilevel", "mqar"}));
+  EXPECT_EQ(hax::task_names(), (std::vector<std::string>{"joint_recall", "multilevel", "mqar", "niah"}));
   // Fields of other tasks are not checked.
   TaskConfig mqar;
   mqar.name = "mqar", mqar.nc_min = 0;
