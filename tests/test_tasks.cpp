@@ -1,5 +1,7 @@
-// Tests of the synthetic tasks (joint recall, multilevel, MQAR), their config and the splits.
+// Tests of the synthetic tasks (joint recall, multilevel, MQAR), their config and the splits (NIAH:
+// test_niah.cpp).
 // Every layout property is checked by an independent parser written here, not by fixed outputs.
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -393,6 +395,41 @@ TEST(TaskMqar, LongSequencesAreFast) {
   check_mqar(longer->sample(9, 5), 8192, 131072, 512);
 }
 
+TEST(TaskMqar, FiveHundredTwelvePairs) {
+  // The DMA setting: 512 pairs at 4K and 16K tokens, and every pair count up to 512 in one grid.
+  TaskConfig c;
+  c.name = "mqar", c.kv_min = 512, c.kv_max = 512, c.seq_len = 4096;
+  auto task = make(c);
+  EXPECT_EQ(task->grid_size(), 1);
+  for (int64_t i = 0; i < 5; ++i) check_mqar(task->sample(2, i), 8192, 4096, 512);
+  // Tightest fit: seq_len = 4 * 512 (every query slot used) and V = 2 * 512 + 2 (every id used).
+  c.seq_len = 2048, c.vocab_size = 1026;
+  auto tight = make(c);
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto gaps = check_mqar(tight->sample(2, i), 1026, 2048, 512);
+    EXPECT_EQ(std::set<int64_t>(gaps.begin(), gaps.end()).size(), 512u);
+  }
+  c.vocab_size = 1025;
+  EXPECT_THROW(c.validate(), hax::UsageError);
+  // A range of pair counts: the grid has 512 cells, index 511 holds 512 pairs.
+  c.vocab_size = 8192, c.seq_len = 16384, c.kv_min = 1;
+  auto range = make(c);
+  EXPECT_EQ(range->grid_size(), 512);
+  check_mqar(range->sample(4, 511), 8192, 16384, 512);
+  check_mqar(range->sample(4, 512 + 63), 8192, 16384, 64);
+  const Sample a = range->sample(4, 1023);
+  EXPECT_EQ(a.tokens, range->sample(4, 1023).tokens);
+  EXPECT_NE(a.tokens, range->sample(5, 1023).tokens);
+  // 64K tokens with 512 pairs: generation is O(seq_len).
+  c.kv_min = 512, c.seq_len = 65536;
+  auto longest = make(c);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < 10; ++i) longest->sample(9, i);
+  const double s64k = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s64k, 2.0) << "10 samples of 64K tokens with 512 pairs";
+  check_mqar(longest->sample(9, 10), 8192, 65536, 512);
+}
+
 TEST(TaskMqar, PowerLawGaps) {
   // The first key gets the first gap drawn, which must follow p(g) ∝ (g+1)^(a-1) exactly.
   TaskConfig c;
@@ -455,7 +492,7 @@ TEST(TaskConfig, ValidDefaults) {
     EXPECT_NO_THROW(c.validate()) << name;
     EXPECT_EQ(hax::make_task(c)->name(), name);
   }
-  EXPECT_EQ(hax::task_names(), (std::vector<std::string>{"joint_recall", "multilevel", "mqar"}));
+  EXPECT_EQ(hax::task_names(), (std::vector<std::string>{"joint_recall", "multilevel", "mqar", "niah"}));
   // Fields of other tasks are not checked.
   TaskConfig mqar;
   mqar.name = "mqar", mqar.nc_min = 0;
@@ -639,6 +676,38 @@ TEST(Splits, TinyConfigFailsClearly) {
     EXPECT_NE(std::string(e.what()).find("--n-valid 1"), std::string::npos) << e.what();
   }
   EXPECT_THROW(hax::make_eval_splits(*task, 3, -1, 0), hax::UsageError);
+}
+
+TEST(Splits, ThreadCountAndFingerprintsDoNotChangeTheSplits) {
+  // Collisions (cell (1,1) has 3 distinct samples) make redraws; blocks are drawn in parallel.
+  TaskConfig c;
+  c.nc_min = 1, c.nc_max = 2, c.nk_min = 1, c.nk_max = 2, c.num_values = 3;
+  auto task = make(c);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto one = hax::make_eval_splits(*task, 5, 4, 4);
+  at::set_num_threads(2);
+  const auto two = hax::make_eval_splits(*task, 5, 4, 4);
+  at::set_num_threads(threads);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(one.valid[i].tokens, two.valid[i].tokens);
+    EXPECT_EQ(one.test[i].tokens, two.test[i].tokens);
+  }
+  // Keeping only some samples gives the same ones, and the same training stream.
+  TaskConfig m;
+  m.name = "mqar", m.seq_len = 64, m.kv_min = 2, m.kv_max = 16;
+  auto mqar = make(m);
+  const auto full = hax::make_eval_splits(*mqar, 8, 1500, 1300);
+  const auto some = hax::eval_fingerprints(*mqar, 8, 1500, 1300, 3, 1100);
+  ASSERT_EQ(some.valid.size(), 3u);
+  ASSERT_EQ(some.test.size(), 1100u);
+  EXPECT_EQ(some.hashes.size(), 2800u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(some.valid[i].tokens, full.valid[i].tokens);
+  for (size_t i = 0; i < 1100; ++i) EXPECT_EQ(some.test[i].tokens, full.test[i].tokens);
+  const hax::TrainStream a(*mqar, 8, full), b(*mqar, 8, some);
+  for (int64_t i : {0, 7, 999}) EXPECT_EQ(a.at(i).tokens, b.at(i).tokens);
+  EXPECT_TRUE(b.in_eval(full.test[1299].tokens));
+  EXPECT_TRUE(b.in_eval(full.valid[1499].tokens));
 }
 
 TEST(Splits, MqarSplits) {

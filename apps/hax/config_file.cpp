@@ -102,4 +102,26 @@ std::vector<int64_t> parse_size_list(const std::string& s, const std::string& fl
   return out;
 }
 
+std::vector<double> parse_number_list(const std::string& s, const std::string& flag, double lo, double hi) {
+  std::vector<double> out;
+  std::istringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item = trim(item);
+    HAX_CHECK(!item.empty(), "{} {}: empty entry in the list", flag, s);
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(item, &used);
+    } catch (...) {
+      used = 0;
+    }
+    HAX_CHECK(used == item.size(), "{} {}: `{}` is not a number", flag, s, item);
+    HAX_CHECK(v >= lo && v <= hi, "{} {}: `{}` is not in [{:g}, {:g}]", flag, s, item, lo, hi);
+    out.push_back(v);
+  }
+  HAX_CHECK(!out.empty(), "{} must list at least one number", flag);
+  return out;
+}
+
 }  // namespace hax::cli

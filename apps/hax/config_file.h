@@ -18,4 +18,7 @@ std::vector<std::string> config_to_args(const std::string& text, const std::stri
 // Splits "1k,4k,16384" style lists; suffix k = 1024, m = 1024^2. Errors name `flag`.
 std::vector<int64_t> parse_size_list(const std::string& s, const std::string& flag);
 
+// Splits "0,0.25,0.5" into numbers, each in [lo, hi]. Errors name `flag`, the list and the item.
+std::vector<double> parse_number_list(const std::string& s, const std::string& flag, double lo, double hi);
+
 }  // namespace hax::cli

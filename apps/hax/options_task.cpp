@@ -46,10 +46,21 @@ void add_task_options(CLI::App* app, TaskConfig* t) {
   list("--level-vocab", &t->level_vocab, "distinct ids of each level (default 16 each)");
   app->add_option("--num-values", t->num_values, "distinct value tokens (ids from 10)")->group(g);
   app->add_option("--mqar-vocab", t->vocab_size, "MQAR vocabulary V (keys < V/2 <= values)")->group(g);
-  app->add_option("--seq-len", t->seq_len, "MQAR input length")->group(g);
+  app->add_option("--seq-len", t->seq_len, "MQAR and NIAH input length (a sample has seq_len + 1 tokens)")->group(g);
   app->add_option("--kv-min", t->kv_min, "MQAR fewest key-value pairs")->group(g);
   app->add_option("--kv-max", t->kv_max, "MQAR most key-value pairs")->group(g);
   app->add_option("--power-a", t->power_a, "MQAR query-gap power law exponent")->group(g);
+  app->add_option("--niah-variant", t->niah_variant, "NIAH variant: single, multikey, multivalue or multiquery")
+      ->group(g);
+  app->add_option("--niah-needles", t->niah_needles, "NIAH multikey/multiquery: needles (distinct keys)")->group(g);
+  app->add_option("--niah-values", t->niah_values, "NIAH multivalue: passkeys of the one key")->group(g);
+  app->add_option("--niah-key-len", t->niah_key_len, "NIAH key tokens per needle")->group(g);
+  app->add_option("--niah-value-len", t->niah_value_len, "NIAH passkey digits per needle (the answer)")->group(g);
+  app->add_option("--niah-key-vocab", t->niah_key_vocab, "NIAH distinct key tokens")->group(g);
+  app->add_option("--niah-vocab", t->niah_vocab, "NIAH distinct filler tokens")->group(g);
+  app->add_option("--niah-depth", t->niah_depth,
+                  "NIAH depth of the queried needles in [0, 1] (0 = start), or negative for random per sample")
+      ->group(g);
 }
 
 }  // namespace hax::cli

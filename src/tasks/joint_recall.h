@@ -43,7 +43,7 @@ class JointRecallTask : public Task {
   // Number of levels w.
   int64_t levels() const { return (int64_t)lo_.size(); }
   // Number of size combinations; sample i uses combination i mod grid_size().
-  int64_t grid_size() const { return grid_size_; }
+  int64_t grid_size() const override { return grid_size_; }
   // The level sizes (n_1..n_w) of sample `index`.
   std::vector<int64_t> sizes(int64_t index) const;
   // Token id of item i (0-based) of level l (0-based, 0 = outermost); l = w-1 are the keys.

@@ -32,6 +32,7 @@ class MqarTask : public Task {
   int64_t max_length() const override { return config_.seq_len + 1; }
   Sample sample(uint64_t seed, int64_t index) const override;
   nlohmann::json describe() const override { return config_.describe(); }
+  int64_t grid_size() const override { return config_.kv_max - config_.kv_min + 1; }
 
   // Number of key-value pairs of sample `index`.
   int64_t num_kv_pairs(int64_t index) const;

@@ -12,7 +12,7 @@ namespace hax {
 // Validates `config` (hax::UsageError naming the flag on bad input) and builds its task.
 std::unique_ptr<Task> make_task(const TaskConfig& config);
 
-// The names --task accepts: "joint_recall", "multilevel", "mqar".
+// The names --task accepts: "joint_recall", "multilevel", "mqar", "niah".
 std::vector<std::string> task_names();
 
 }  // namespace hax

@@ -36,13 +36,28 @@ struct EvalSplits {
 
 // The validation and test sets of `task` for `seed`: distinct within and across the two. Throws
 // hax::UsageError naming --n-valid/--n-test when the task has too few distinct samples for them.
+// First draws of a block of samples are made in parallel (at::parallel_for); redraws, and the check
+// against earlier samples, go in order, so the result does not depend on the thread count.
 EvalSplits make_eval_splits(const Task& task, uint64_t seed, int64_t n_valid, int64_t n_test);
+
+// The same splits without keeping every sample (long sequences: 14.4K + 14.4K samples of 16K tokens
+// are 2.4 GB): the fingerprints of all of them, and only the first keep_valid validation and
+// keep_test test samples, equal to make_eval_splits's.
+struct EvalFingerprints {
+  TokenHashSet hashes;        // (n_valid + n_test) every validation and test sample's fingerprint
+  std::vector<Sample> valid;  // (keep_valid) the first validation samples
+  std::vector<Sample> test;   // (keep_test) the first test samples
+  int64_t n_valid = 0, n_test = 0;
+};
+EvalFingerprints eval_fingerprints(const Task& task, uint64_t seed, int64_t n_valid, int64_t n_test,
+                                   int64_t keep_valid, int64_t keep_test);
 
 // The training samples: a pure function of (seed, index), never equal to a validation or test
 // sample. Thread-safe (const). Keeps a reference to `task`, which must outlive it.
 class TrainStream {
  public:
   TrainStream(const Task& task, uint64_t seed, const EvalSplits& eval);
+  TrainStream(const Task& task, uint64_t seed, const EvalFingerprints& eval);
   // Training sample `index` (>= 0). Throws hax::UsageError when the eval sets leave no training
   // sample in this index's grid cell.
   Sample at(int64_t index) const;

@@ -31,6 +31,9 @@ class Task {
   // Tasks with a discrete parameter grid (joint recall's (n_c, n_k) pairs) cycle through it by
   // index, so every contiguous run of indices is balanced over the grid, as in the reference.
   virtual Sample sample(uint64_t seed, int64_t index) const = 0;
+  // Number of cells of the task's discrete parameter grid: sample `index` falls in cell
+  // index mod grid_size() (joint recall's (n_c, n_k) pairs, MQAR's pair counts); 1 for none.
+  virtual int64_t grid_size() const { return 1; }
   // The task's configuration as JSON (written into run directories and `hax data` output).
   virtual nlohmann::json describe() const = 0;
 };

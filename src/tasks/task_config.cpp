@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "tasks/niah.h"
 
 namespace hax {
 
@@ -76,6 +77,52 @@ void validate_mqar(const TaskConfig& c) {
             c.power_a);
 }
 
+void validate_niah(const TaskConfig& c) {
+  const auto& v = c.niah_variant;
+  HAX_CHECK(v == "single" || v == "multikey" || v == "multivalue" || v == "multiquery",
+            "--niah-variant '{}' is unknown (choose single, multikey, multivalue or multiquery)", v);
+  HAX_CHECK(c.niah_key_len >= 1 && c.niah_key_len <= 64, "--niah-key-len {} must be in [1, 64]",
+            c.niah_key_len);
+  HAX_CHECK(c.niah_value_len >= 1 && c.niah_value_len <= 64, "--niah-value-len {} must be in [1, 64]",
+            c.niah_value_len);
+  HAX_CHECK(c.niah_key_vocab >= 1 && c.niah_key_vocab <= (1 << 20), "--niah-key-vocab {} must be in [1, {}]",
+            c.niah_key_vocab, 1 << 20);
+  HAX_CHECK(c.niah_vocab >= 1 && c.niah_vocab <= (1 << 20), "--niah-vocab {} must be in [1, {}]", c.niah_vocab,
+            1 << 20);
+  const bool many_keys = v == "multikey" || v == "multiquery";
+  if (many_keys) {
+    HAX_CHECK(c.niah_needles >= 1 && c.niah_needles <= (1 << 16),
+              "--niah-needles {} must be in [1, {}] for --niah-variant {}", c.niah_needles, 1 << 16, v);
+    const double keys = std::pow((double)c.niah_key_vocab, (double)c.niah_key_len);
+    HAX_CHECK(keys >= (double)c.niah_needles,
+              "--niah-needles {} needs that many distinct keys, but --niah-key-vocab {} with --niah-key-len {} "
+              "gives only {:.0f}",
+              c.niah_needles, c.niah_key_vocab, c.niah_key_len, keys);
+  }
+  if (v == "multivalue")
+    HAX_CHECK(c.niah_values >= 1 && c.niah_values <= (1 << 16),
+              "--niah-values {} must be in [1, {}] for --niah-variant multivalue", c.niah_values, 1 << 16);
+  HAX_CHECK(std::isfinite(c.niah_depth) && c.niah_depth <= 1,
+            "--niah-depth {} must be <= 1: a fixed depth in [0, 1] (0 = start, 1 = end), or negative for a "
+            "random depth per sample",
+            c.niah_depth);
+  HAX_CHECK(c.seq_len <= kMaxTokens - 1, "--seq-len {} must be <= {:.0f}", c.seq_len, kMaxTokens - 1);
+  const NiahShape s = niah_shape(c);
+  const std::string sizes =
+      v == "multikey" || v == "multiquery" ? fmt::format(" --niah-needles {}", c.niah_needles)
+      : v == "multivalue"                  ? fmt::format(" --niah-values {}", c.niah_values)
+                                           : std::string();
+  HAX_CHECK(c.seq_len >= s.min_seq_len(),
+            "--seq-len {} is too short for --niah-variant {}{}: {} needles of {} tokens, a query section of {} "
+            "tokens{} need seq_len >= {}",
+            c.seq_len, v, sizes, s.needles, s.needle_len, s.query_len,
+            s.min_filler ? fmt::format(" and {} filler tokens (so the distractors fit around the queried "
+                                       "needle at any depth)",
+                                       s.min_filler)
+                         : std::string(),
+            s.min_seq_len());
+}
+
 }  // namespace
 
 void TaskConfig::validate() const {
@@ -83,8 +130,10 @@ void TaskConfig::validate() const {
     validate_joint_recall(*this);
   } else if (name == "mqar") {
     validate_mqar(*this);
+  } else if (name == "niah") {
+    validate_niah(*this);
   } else {
-    fail("--task '{}' is not a task (choose joint_recall, multilevel or mqar)", name);
+    fail("--task '{}' is not a task (choose joint_recall, multilevel, mqar or niah)", name);
   }
 }
 
@@ -119,6 +168,15 @@ nlohmann::json TaskConfig::describe() const {
               {"kv_min", kv_min},
               {"kv_max", kv_max},
               {"power_a", power_a}});
+  } else if (name == "niah") {
+    j.update({{"variant", niah_variant}, {"seq_len", seq_len}});
+    if (niah_variant == "multikey" || niah_variant == "multiquery") j["needles"] = niah_needles;
+    if (niah_variant == "multivalue") j["values"] = niah_values;
+    j.update({{"key_len", niah_key_len},
+              {"value_len", niah_value_len},
+              {"key_vocab", niah_key_vocab},
+              {"filler_vocab", niah_vocab},
+              {"depth", niah_depth}});
   } else {
     j.update({{"levels", levels},
               {"level_min", level_min_sizes()},
@@ -147,6 +205,14 @@ void for_each_field(Config& c, F&& f) {
   f("kv_min", c.kv_min);
   f("kv_max", c.kv_max);
   f("power_a", c.power_a);
+  f("niah_variant", c.niah_variant);
+  f("niah_needles", c.niah_needles);
+  f("niah_values", c.niah_values);
+  f("niah_key_len", c.niah_key_len);
+  f("niah_value_len", c.niah_value_len);
+  f("niah_key_vocab", c.niah_key_vocab);
+  f("niah_vocab", c.niah_vocab);
+  f("niah_depth", c.niah_depth);
 }
 
 nlohmann::json task_config_to_json(const TaskConfig& config) {

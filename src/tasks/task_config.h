@@ -12,8 +12,9 @@ namespace hax {
 
 struct TaskConfig {
   // --task: which task. "joint_recall" (multi-query joint recall, 2 levels: contexts and keys),
-  // "multilevel" (multi-level joint recall with --levels levels; 1 level = associative recall) or
-  // "mqar" (Zoology's multi-query associative recall). Default "joint_recall".
+  // "multilevel" (multi-level joint recall with --levels levels; 1 level = associative recall),
+  // "mqar" (Zoology's multi-query associative recall) or "niah" (needle in a haystack, RULER-style
+  // variants). Default "joint_recall".
   std::string name = "joint_recall";
 
   // ---- joint recall / multilevel ----------------------------------------------------------------
@@ -43,7 +44,8 @@ struct TaskConfig {
   // --mqar-vocab: vocabulary size V; keys come from [1, V/2), values from [V/2, V), filler from
   // [0, V). Default 8192 (Zoology).
   int64_t vocab_size = 8192;
-  // --seq-len: model input length; a sample has seq_len + 1 tokens. Example 16384; default 256.
+  // --seq-len: model input length of mqar and niah; a sample has seq_len + 1 tokens. Example 16384;
+  // default 256.
   int64_t seq_len = 256;
   // --kv-min / --kv-max: range of the number of key-value pairs; sample i has
   // kv_min + i mod (kv_max - kv_min + 1) pairs. Needs seq_len >= 4 * kv_max. Default 4..64.
@@ -52,6 +54,28 @@ struct TaskConfig {
   // --power-a: exponent a of the query-gap law p(g) ∝ a * g^(a-1), g = 1..space; small a puts most
   // queries right after the context. Must be > 0. Default 0.01 (Zoology).
   double power_a = 0.01;
+
+  // ---- niah (tasks/niah.h; --seq-len sets its length) -----------------------------------------------
+  // --niah-variant: "single" (one needle, queried), "multikey" (--niah-needles needles with distinct
+  // keys, one queried), "multivalue" (one key in --niah-values needles, every passkey queried in
+  // haystack order) or "multiquery" (--niah-needles needles, all queried). Default "single".
+  std::string niah_variant = "single";
+  // --niah-needles: needles of multikey and multiquery (distinct keys). Example 8; default 4.
+  int64_t niah_needles = 4;
+  // --niah-values: passkeys of multivalue's one key, one needle each. Example 3; default 4.
+  int64_t niah_values = 4;
+  // --niah-key-len: key tokens per needle. Default 2.
+  int64_t niah_key_len = 2;
+  // --niah-value-len: passkey digits per needle (the supervised tokens of one answer). Default 4.
+  int64_t niah_value_len = 4;
+  // --niah-key-vocab: distinct key tokens (ids from 20). Default 16 (256 distinct 2-token keys).
+  int64_t niah_key_vocab = 16;
+  // --niah-vocab: distinct filler tokens (ids after the key tokens). Default 64 (vocabulary 100).
+  int64_t niah_vocab = 64;
+  // --niah-depth: where the queried needles sit: a fixed depth in [0, 1] (0 = right after bos,
+  // 1 = right before the query section), or negative for a uniformly random place per needle and
+  // sample (the training default). Example 0.5; default -1.
+  double niah_depth = -1;
 
   // Throws hax::UsageError naming the flag, the value and the constraint for an invalid setting.
   void validate() const;
