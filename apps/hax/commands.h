@@ -21,6 +21,7 @@ Command add_data_command(CLI::App& app);
 Command add_info_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
 Command add_table1_command(CLI::App& app, int argc, char** argv);
+Command add_compare_command(CLI::App& app, int argc, char** argv);
 Command add_patterns_command(CLI::App& app);
 
 }  // namespace hax::cli

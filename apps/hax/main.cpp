@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
   std::vector<Command> commands = {add_train_command(app), add_eval_command(app), add_data_command(app),
                                    add_info_command(app), add_bench_command(app),
-                                   add_table1_command(app, argc, argv), add_patterns_command(app)};
+                                   add_table1_command(app, argc, argv), add_compare_command(app, argc, argv), add_patterns_command(app)};
   try {
     std::vector<std::string> args = expand_configs(app, commands, std::vector<std::string>(argv + 1, argv + argc));
     std::reverse(args.begin(), args.end());  // CLI11 takes arguments in reverse order
