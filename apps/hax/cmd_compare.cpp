@@ -33,8 +33,9 @@ Command add_compare_command(CLI::App& app, int argc, char** argv) {
       "under one budget; report accuracy at the training length and at multiples of it");
   struct State {
     CompareConfig cfg;
-    std::string variants, factors = "1,4,16", depths;
+    std::string variants, factors = "1,4,16", depths, command;
     int threads = 0;
+    bool list = false;
   };
   auto st = std::make_shared<State>();
   st->cfg.task.name = "niah";
@@ -64,11 +65,20 @@ Command add_compare_command(CLI::App& app, int argc, char** argv) {
   sub->add_option("--runs-dir", st->cfg.runs_dir, "directory of the runs (finished ones are reused)")->group(g);
   sub->add_option("--out", st->cfg.out_md, "markdown output")->group(g);
   sub->add_option("--json", st->cfg.out_json, "JSON output")->group(g);
+  sub->add_option("--command", st->command,
+                  "the command line written into the table (default: this one; scripts/compare_parallel.sh passes its own)")
+      ->group(g);
+  sub->add_flag("--list-variants", st->list, "print the variant names, one per line, and exit")->group(g);
   add_threads_option(sub, &st->threads);
   Command c;
   c.app = sub;
   c.run = [st]() {
+    if (st->list) {
+      for (const auto& v : compare_variants()) fmt::print("{}\n", v);
+      return kExitOk;
+    }
     CompareConfig cfg = st->cfg;
+    if (!st->command.empty()) cfg.command = st->command;
     if (!st->variants.empty()) cfg.variants = split_commas(st->variants);
     cfg.factors = parse_size_list(st->factors, "--factors");
     if (!st->depths.empty())
