@@ -1,5 +1,6 @@
 // Runs the `hax` command line from tests: exit status and captured output.
 #pragma once
+#include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -8,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -95,6 +97,16 @@ inline CliResult run_hax(const std::vector<std::string>& args, const std::vector
   r.err = slurp(err_path);
   remove_tree(dir);
   return r;
+}
+
+// Expects `hax args...` to exit with status 2 and one line on stderr that contains `needle`.
+inline void expect_cli_error(const std::vector<std::string>& args, const std::string& needle) {
+  CliResult r = run_hax(args);
+  std::string cmd;
+  for (auto& a : args) cmd += a + " ";
+  EXPECT_EQ(r.status, 2) << cmd << "\nstderr: " << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << cmd << "\nexpected '" << needle << "' in: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "not one line: " << r.err;
 }
 
 }  // namespace hax::testing

@@ -9,6 +9,7 @@
 #include "core/safetensors.h"
 
 using hax::testing::CliResult;
+using hax::testing::expect_cli_error;
 using hax::testing::run_hax;
 using hax::testing::slurp;
 using hax::testing::temp_dir;
@@ -28,14 +29,6 @@ std::vector<std::string> with(std::vector<std::string> a, const std::vector<std:
   return a;
 }
 
-void expect_usage_error(const std::vector<std::string>& args, const std::string& needle) {
-  CliResult r = run_hax(args);
-  std::string cmd;
-  for (auto& a : args) cmd += a + " ";
-  EXPECT_EQ(r.status, 2) << cmd << "\nstderr: " << r.err;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << cmd << "\nexpected '" << needle << "' in: " << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "not one line: " << r.err;
-}
 
 std::vector<nlohmann::json> read_metrics(const std::string& run_dir, const std::string& event) {
   std::vector<nlohmann::json> out;
@@ -55,23 +48,23 @@ std::vector<nlohmann::json> read_metrics(const std::string& run_dir, const std::
 
 TEST(Cli, BadInputExitsWithStatus2AndOneClearLine) {
   const std::string dir = temp_dir("bad");
-  expect_usage_error({"train", "--bogus"}, "--bogus");
-  expect_usage_error({"train", "--d-model", "0"}, "--d-model 0 must be positive");
-  expect_usage_error({"train", "--d-model", "abc"}, "--d-model");
-  expect_usage_error({"train", "--headdim", "24"}, "--headdim 24 must divide the inner width d_inner");
-  expect_usage_error({"train", "--vocab-size", "50"}, "--vocab-size 50 is too small for task joint_recall");
-  expect_usage_error({"train", "--steps", "-5"}, "--steps -5 must be positive");
-  expect_usage_error({"train", "--lr", "0"}, "--lr 0 must be positive");
-  expect_usage_error({"train", "--mixer", "rnn"}, "--mixer rnn is unknown");
-  expect_usage_error({"train", "--config", dir + "/missing.toml"}, "missing.toml");
+  expect_cli_error({"train", "--bogus"}, "--bogus");
+  expect_cli_error({"train", "--d-model", "0"}, "--d-model 0 must be positive");
+  expect_cli_error({"train", "--d-model", "abc"}, "--d-model");
+  expect_cli_error({"train", "--headdim", "24"}, "--headdim 24 must divide the inner width d_inner");
+  expect_cli_error({"train", "--vocab-size", "50"}, "--vocab-size 50 is too small for task joint_recall");
+  expect_cli_error({"train", "--steps", "-5"}, "--steps -5 must be positive");
+  expect_cli_error({"train", "--lr", "0"}, "--lr 0 must be positive");
+  expect_cli_error({"train", "--mixer", "rnn"}, "--mixer rnn is unknown");
+  expect_cli_error({"train", "--config", dir + "/missing.toml"}, "missing.toml");
   hax::write_file_atomic(dir + "/bad.toml", "[model]\nd_model = 32\nbogus_key = 3\n");
-  expect_usage_error({"train", "--config", dir + "/bad.toml"}, "unknown key `bogus-key`");
-  expect_usage_error({"eval", "--checkpoint", dir + "/missing.safetensors"}, "cannot open");
+  expect_cli_error({"train", "--config", dir + "/bad.toml"}, "unknown key `bogus-key`");
+  expect_cli_error({"eval", "--checkpoint", dir + "/missing.safetensors"}, "cannot open");
   hax::write_file_atomic(dir + "/corrupt.safetensors", std::string("\x10\0\0\0\0\0\0\0{not json", 17));
-  expect_usage_error({"eval", "--checkpoint", dir + "/corrupt.safetensors"}, "is corrupt");
-  expect_usage_error({"data", "--task", "nope"}, "--task 'nope' is not a task");
-  expect_usage_error({"data", "--nc-min", "0"}, "--nc-min");
-  expect_usage_error({"train", "--resume", "--run-dir", dir + "/none"}, "no config.toml");
+  expect_cli_error({"eval", "--checkpoint", dir + "/corrupt.safetensors"}, "is corrupt");
+  expect_cli_error({"data", "--task", "nope"}, "--task 'nope' is not a task");
+  expect_cli_error({"data", "--nc-min", "0"}, "--nc-min");
+  expect_cli_error({"train", "--resume", "--run-dir", dir + "/none"}, "no config.toml");
   hax::testing::remove_tree(dir);
 }
 
@@ -97,9 +90,9 @@ TEST(Cli, CtrlCWritesACheckpointAndResumeReproducesTheRun) {
   EXPECT_LT(read_metrics(cut, "train").size(), read_metrics(full, "train").size());
 
   // Without --resume the run directory is protected.
-  expect_usage_error(tiny(cut, 60), "already holds a run");
+  expect_cli_error(tiny(cut, 60), "already holds a run");
   // Resuming with a different model width is a clear shape error.
-  expect_usage_error(with(tiny(cut, 60), {"--resume", "--d-model", "32"}), "does not match the checkpoint");
+  expect_cli_error(with(tiny(cut, 60), {"--resume", "--d-model", "32"}), "does not match the checkpoint");
 
   CliResult c = run_hax({"train", "--run-dir", cut, "--resume"});
   ASSERT_EQ(c.status, 0) << c.err;

@@ -14,6 +14,7 @@
 #include "models/lm.h"
 
 using hax::testing::CliResult;
+using hax::testing::expect_cli_error;
 using hax::testing::run_hax;
 using hax::testing::slurp;
 using hax::testing::temp_dir;
@@ -223,14 +224,6 @@ CliResult train_tiny(const std::string& run_dir, const std::vector<std::string>&
   return run_hax(a);
 }
 
-void expect_usage_error(const std::vector<std::string>& args, const std::string& needle) {
-  CliResult r = run_hax(args);
-  std::string cmd;
-  for (auto& a : args) cmd += a + " ";
-  EXPECT_EQ(r.status, 2) << cmd << "\nstderr: " << r.err;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << cmd << "\nexpected '" << needle << "' in: " << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "not one line: " << r.err;
-}
 
 TEST(CliLengths, NiahTrainThenEvalGrid) {
   const std::string dir = temp_dir("lengths");
@@ -278,14 +271,14 @@ TEST(CliLengths, NiahTrainThenEvalGrid) {
   ASSERT_EQ(plain.status, 0) << plain.err;
   EXPECT_NE(plain.out.find("test accuracy"), std::string::npos) << plain.out;
 
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "64,abc"}, "--lengths 64,abc: `abc` is not a positive size");
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "0"}, "--lengths 0");
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "64,,128"}, "empty entry");
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "1k,8"}, "--lengths: length 8 is not valid for task niah");
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "64", "--depths", "0,2"}, "--depths 0,2: `2` is not in [0, 1]");
-  expect_usage_error({"eval", "--checkpoint", ck, "--depths", "0.5"}, "--depths 0.5 needs --lengths");
-  expect_usage_error({"eval", "--checkpoint", ck, "--svg", dir + "/x.svg"}, "needs --lengths");
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "64", "--max-batch-tokens", "0"},
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "64,abc"}, "--lengths 64,abc: `abc` is not a positive size");
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "0"}, "--lengths 0");
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "64,,128"}, "empty entry");
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "1k,8"}, "--lengths: length 8 is not valid for task niah");
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "64", "--depths", "0,2"}, "--depths 0,2: `2` is not in [0, 1]");
+  expect_cli_error({"eval", "--checkpoint", ck, "--depths", "0.5"}, "--depths 0.5 needs --lengths");
+  expect_cli_error({"eval", "--checkpoint", ck, "--svg", dir + "/x.svg"}, "needs --lengths");
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "64", "--max-batch-tokens", "0"},
                      "--max-batch-tokens 0 must be positive");
   hax::testing::remove_tree(dir);
 }
@@ -304,12 +297,12 @@ TEST(CliLengths, MqarAndJointRecallCheckpoints) {
   EXPECT_TRUE(j["depths"][0].is_null());
   EXPECT_EQ(j["cells"].size(), 2u);
   expect_svg(slurp(dir + "/m.svg"), 2);
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "32", "--depths", "0.5"}, "has no needle depth");
-  expect_usage_error({"eval", "--checkpoint", ck, "--lengths", "15"}, "--seq-len 15 is too short for --kv-max 4");
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "32", "--depths", "0.5"}, "has no needle depth");
+  expect_cli_error({"eval", "--checkpoint", ck, "--lengths", "15"}, "--seq-len 15 is too short for --kv-max 4");
 
   CliResult jr = train_tiny(dir + "/jr", {"--nc-min", "2", "--nc-max", "3", "--nk-min", "2", "--nk-max", "3"});
   ASSERT_EQ(jr.status, 0) << jr.err;
-  expect_usage_error({"eval", "--checkpoint", dir + "/jr/checkpoints/last.safetensors", "--lengths", "1k"},
+  expect_cli_error({"eval", "--checkpoint", dir + "/jr/checkpoints/last.safetensors", "--lengths", "1k"},
                      "task joint_recall has no --seq-len to vary");
   hax::testing::remove_tree(dir);
 }
@@ -335,9 +328,9 @@ TEST(CliNiah, DataWritesNiahSamples) {
     ++n;
   }
   EXPECT_EQ(n, 4);
-  expect_usage_error({"data", "--task", "niah", "--niah-depth", "2"}, "--niah-depth 2 must be <= 1");
-  expect_usage_error({"data", "--task", "niah", "--niah-variant", "many"}, "--niah-variant 'many' is unknown");
-  expect_usage_error({"data", "--task", "niah", "--seq-len", "12"}, "--seq-len 12 is too short for --niah-variant single");
+  expect_cli_error({"data", "--task", "niah", "--niah-depth", "2"}, "--niah-depth 2 must be <= 1");
+  expect_cli_error({"data", "--task", "niah", "--niah-variant", "many"}, "--niah-variant 'many' is unknown");
+  expect_cli_error({"data", "--task", "niah", "--seq-len", "12"}, "--seq-len 12 is too short for --niah-variant single");
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "tasks/niah.h"
 #include "tasks/registry.h"
+#include "task_checks.h"
 
 namespace {
 
@@ -409,18 +410,7 @@ TEST(TaskNiah, PureFunctionOfSeedAndIndex) {
 
 // ---- config ----------------------------------------------------------------------------------------
 
-void expect_invalid(const TaskConfig& c, std::vector<std::string> parts) {
-  try {
-    c.validate();
-    ADD_FAILURE() << "accepted; expected an error with " << parts[0];
-    return;
-  } catch (const hax::UsageError& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << "\nlacks " << p;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << "multi-line message: " << msg;
-  }
-  EXPECT_THROW(hax::make_task(c), hax::UsageError);
-}
+using hax::testing::expect_invalid;
 
 TEST(TaskNiah, Errors) {
   const TaskConfig base = niah("single", 256);

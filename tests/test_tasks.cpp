@@ -14,6 +14,7 @@
 #include "tasks/mqar.h"
 #include "tasks/registry.h"
 #include "tasks/splits.h"
+#include "task_checks.h"
 
 namespace {
 
@@ -471,19 +472,7 @@ TEST(TaskMqar, PowerLawGaps) {
 
 // ---- config, registry ---------------------------------------------------------------------------
 
-// Expects validate() (and make_task) to fail with a message holding every piece of `parts`.
-void expect_invalid(const TaskConfig& c, std::vector<std::string> parts) {
-  try {
-    c.validate();
-    ADD_FAILURE() << "accepted; expected an error with " << parts[0];
-    return;
-  } catch (const hax::UsageError& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << "\nlacks " << p;
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << "multi-line message: " << msg;
-  }
-  EXPECT_THROW(hax::make_task(c), hax::UsageError);
-}
+using hax::testing::expect_invalid;
 
 TEST(TaskConfig, ValidDefaults) {
   for (const auto& name : hax::task_names()) {
