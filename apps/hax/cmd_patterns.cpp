@@ -24,7 +24,7 @@ Command add_patterns_command(CLI::App& app) {
   auto st = std::make_shared<State>();
   add_model_options(sub, &st->model);
   sub->remove_option(sub->get_option("--sparse"));
-  sub->add_option("--pattern", st->model.sparse, "sw, d, sw+d, a, lsh, ks, hax or full")->required();
+  sub->add_option("--pattern", st->model.sparse, "sw, d, sw+d, a, lsh, ks, hax, dma, hsa or full")->required();
   sub->add_option("--length", st->length, "sequence length L");
   sub->add_option("--seed", st->seed, "seed of the model init, the input tokens and the LSH hash");
   sub->add_option("--layer", st->layer, "which layer's pattern to write");
@@ -34,7 +34,7 @@ Command add_patterns_command(CLI::App& app) {
   c.app = sub;
   c.run = [st]() {
     ModelConfig cfg = st->model;
-    HAX_CHECK(cfg.sparse != "none", "--pattern none has no keys to list; choose sw, d, sw+d, a, lsh, ks, hax or full");
+    HAX_CHECK(cfg.sparse != "none", "--pattern none has no keys to list; choose sw, d, sw+d, a, lsh, ks, hax, dma, hsa or full");
     cfg.validate();
     HAX_CHECK(st->length > 0, "--length {} must be positive", st->length);
     HAX_CHECK(st->layer >= 0 && st->layer < cfg.n_layers, "--layer {} must be in [0, n_layers = {})", st->layer,
