@@ -120,7 +120,8 @@ void run_compare(const CompareConfig& cfg) {
       "Budget per variant: {} steps of batch {} at length {} (lr {} after {} warmup steps, constant), seed {}; "
       "models of d_model {} and {} layers (k = {} for HAX and DMA, HSA chunks of {} with top-{}, sliding window {}). "
       "Test: {} samples at the training length with the best-validation model. Length columns: {} samples per "
-      "length{}, the same checkpoint. Task: {}.\n\n",
+      "length{}, the same checkpoint. \"train s\": seconds of the session that finished the run (a run resumed "
+      "after an interruption shows only its last part). Task: {}.\n\n",
       cfg.steps, cfg.batch_size, cfg.task.seq_len, cfg.lr, cfg.warmup_steps, cfg.seed, cfg.d_model, cfg.n_layers,
       cfg.sparse_keys, cfg.hsa_chunk, cfg.hsa_topk, cfg.swa_window, cfg.n_test, cfg.eval_n,
       cfg.depths.empty() ? "" : fmt::format(" and depth (averaged over depths {})", nlohmann::json(cfg.depths).dump()),
