@@ -6,8 +6,8 @@
 // projection (v_dim -> H) and A a learnable per-head scalar. Each query attends to the top-w keys
 // of δ over its causal prefix (its own head's δ: a distinct mask per head), and δ is added to the
 // selected scores as a per-key bias, which is how Δ and A learn (the choice itself is discrete).
-// The reference initializes A to 0, which makes every δ equal to 1 at the start, so that the
-// first top-w is a tie between all keys; hax initializes A to 1 (δ = exp(softplus(vΔ)) > 1 and
+// The seed does not say how A starts. A = 0 would make every δ equal to 1, so that the first
+// top-w would be a tie between all keys; hax initializes A to 1 (δ = exp(softplus(vΔ)) > 1 and
 // differs between keys from the first step; a constant shift of δ does not change the softmax).
 #pragma once
 #include <torch/torch.h>
