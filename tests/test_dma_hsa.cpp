@@ -84,7 +84,9 @@ TEST(Dma, ForwardAndBackwardEqualDenseReferenceFloat64) {
       const char* names[] = {"q", "k", "v", "Δ", "A"};
       for (size_t i = 0; i < g.size(); ++i)
         EXPECT_LE(rel_err(g[i], rg[i], 1e-10, 1e-8), 1.0) << "gradient of " << names[i] << " L=" << L << " w=" << w;
-      if (L > 1 && w > 1) EXPECT_GT(g[4].abs().sum().item<double>(), 0) << "A gets no gradient";
+      if (L > 1 && w > 1) {
+        EXPECT_GT(g[4].abs().sum().item<double>(), 0) << "A gets no gradient";
+      }
     }
 }
 

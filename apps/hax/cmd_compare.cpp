@@ -10,22 +10,6 @@
 #include "options.h"
 
 namespace hax::cli {
-namespace {
-
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos <= s.size()) {
-    size_t comma = s.find(',', pos);
-    out.push_back(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
-    if (comma == std::string::npos) break;
-    pos = comma + 1;
-  }
-  return out;
-}
-
-}  // namespace
-
 Command add_compare_command(CLI::App& app, int argc, char** argv) {
   auto* sub = app.add_subcommand(
       "compare",
@@ -79,19 +63,9 @@ Command add_compare_command(CLI::App& app, int argc, char** argv) {
     }
     CompareConfig cfg = st->cfg;
     if (!st->command.empty()) cfg.command = st->command;
-    if (!st->variants.empty()) cfg.variants = split_commas(st->variants);
+    if (!st->variants.empty()) cfg.variants = split_list(st->variants);
     cfg.factors = parse_size_list(st->factors, "--factors");
-    if (!st->depths.empty())
-      for (const auto& d : split_commas(st->depths)) {
-        try {
-          size_t used = 0;
-          const double x = std::stod(d, &used);
-          HAX_CHECK(used == d.size() && x >= 0 && x <= 1, "--depths {}: `{}` is not a depth in [0, 1]", st->depths, d);
-          cfg.depths.push_back(x);
-        } catch (const std::logic_error&) {
-          fail("--depths {}: `{}` is not a depth in [0, 1]", st->depths, d);
-        }
-      }
+    if (!st->depths.empty()) cfg.depths = parse_number_list(st->depths, "--depths", 0, 1);
     HAX_CHECK(cfg.steps > 0, "--steps {} must be positive", cfg.steps);
     HAX_CHECK(cfg.batch_size > 0, "--batch-size {} must be positive", cfg.batch_size);
     HAX_CHECK(cfg.eval_n > 0, "--eval-n {} must be positive", cfg.eval_n);

@@ -53,15 +53,7 @@ Command add_table1_command(CLI::App& app, int argc, char** argv) {
     }
     Table1Config cfg = st->cfg;
     if (!st->command.empty()) cfg.command = st->command;
-    if (!st->variants.empty()) {
-      size_t pos = 0;
-      while (pos <= st->variants.size()) {
-        size_t comma = st->variants.find(',', pos);
-        cfg.variants.push_back(st->variants.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
-        if (comma == std::string::npos) break;
-        pos = comma + 1;
-      }
-    }
+    if (!st->variants.empty()) cfg.variants = split_list(st->variants);
     cfg.seeds.clear();
     for (int64_t s : parse_size_list(st->seeds, "--seeds")) cfg.seeds.push_back((uint64_t)s);
     HAX_CHECK(cfg.steps > 0, "--steps {} must be positive", cfg.steps);

@@ -77,6 +77,17 @@ std::vector<std::string> config_to_args(const std::string& text, const std::stri
   return args;
 }
 
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (true) {
+    const size_t comma = s.find(',', pos);
+    out.push_back(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
+    if (comma == std::string::npos) return out;
+    pos = comma + 1;
+  }
+}
+
 std::vector<int64_t> parse_size_list(const std::string& s, const std::string& flag) {
   std::vector<int64_t> out;
   std::istringstream in(s);

@@ -15,6 +15,9 @@ namespace hax::cli {
 // `sub`. Unknown keys and malformed lines are UsageErrors naming the file and line.
 std::vector<std::string> config_to_args(const std::string& text, const std::string& source, const CLI::App& sub);
 
+// Splits "a,b,c" into its comma-separated items, as given (no trimming; "" gives one empty item).
+std::vector<std::string> split_list(const std::string& s);
+
 // Splits "1k,4k,16384" style lists; suffix k = 1024, m = 1024^2. Errors name `flag`.
 std::vector<int64_t> parse_size_list(const std::string& s, const std::string& flag);
 
