@@ -87,6 +87,7 @@ std::vector<std::string> table1_variants() {
 void run_table1(const Table1Config& cfg) {
   HAX_CHECK(!cfg.seeds.empty(), "--seeds must list at least one seed");
   const std::vector<std::string> variants = cfg.variants.empty() ? table1_variants() : cfg.variants;
+  for (const auto& name : variants) split_variant(name);  // a bad name fails before any run is trained
   nlohmann::json runs = nlohmann::json::array();
   std::map<std::string, std::vector<double>> acc;
   for (const auto& name : variants) {
