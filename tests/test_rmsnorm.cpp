@@ -1,5 +1,5 @@
 // (Gated) RMSNorm: kernel vs. the LibTorch definition in float64, gradients, errors.
-#include "op_harness.h"
+#include "cuda_harness.h"
 #include "ops/rmsnorm/rmsnorm.h"
 
 using namespace hax::testing;
@@ -106,4 +106,17 @@ TEST(RmsNorm, BadInputsNameTheTensor) {
   expect_usage_error([&] { rmsnorm(at::randn({}, o), {}, w); }, "x has shape []");
   expect_usage_error([&] { rmsnorm(x, z, w, -1.0); }, "eps -1 must be finite and non-negative");
   expect_usage_error([&] { rmsnorm_forward(x, z, w, 1e-5, 7); }, "group_size 7 must divide the last dim 16");
+}
+
+TEST(RmsNormCuda, MatchesCpuFloat32AndBf16) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(24);
+  for (int64_t rows : {1, 63, 97, 1025})
+    for (int64_t D : {16, 30, 64, 128})
+      for (bool gated : {false, true})
+        for (int64_t gs : {int64_t(0), D / 2}) {
+          SCOPED_TRACE(::testing::Message() << "rows " << rows << " D " << D << " gated=" << gated << " gs=" << gs);
+          expect_cuda_matches_cpu(norm_case({rows, D}, gated, gs), 1e-5, 1e-5);
+          expect_cuda_bf16_close(norm_case({rows, D}, gated, gs));
+        }
 }

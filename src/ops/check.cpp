@@ -1,6 +1,7 @@
 #include "ops/check.h"
 
 #include "core/error.h"
+#include "ops/backend.h"
 
 namespace hax::ops {
 
@@ -24,8 +25,15 @@ void check_shape(const char* op, const char* name, const at::Tensor& t, const st
 }
 
 void check_floating(const char* op, const char* name, const at::Tensor& t) {
-  HAX_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
-            "{}: {} has dtype {} but must be float32 or float64", op, name, c10::toString(t.scalar_type()));
+  check_backend(op, name, t);
+  if (t.device().is_cuda())
+    HAX_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              "{}: {} has dtype {} on {}, but the CUDA kernels take float32 or bfloat16", op, name,
+              c10::toString(t.scalar_type()), t.device().str());
+  else
+    HAX_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+              "{}: {} has dtype {} but must be float32 or float64 on the CPU", op, name,
+              c10::toString(t.scalar_type()));
 }
 
 void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like) {
@@ -40,7 +48,7 @@ at::Tensor check_seq_idx(const char* op, const at::Tensor& seq_idx, int64_t B, i
   check_shape(op, "seq_idx", seq_idx, {B, L}, "(B, L)");
   HAX_CHECK(!at::isFloatingType(seq_idx.scalar_type()), "{}: seq_idx has dtype {} but must be an integer type",
             op, c10::toString(seq_idx.scalar_type()));
-  at::Tensor s = seq_idx.to(at::kCPU).to(at::kInt).contiguous();
+  at::Tensor s = seq_idx.to(at::kInt).contiguous();
   if (L > 1) {
     bool ok = (s.narrow(1, 1, L - 1) >= s.narrow(1, 0, L - 1)).all().item<bool>();
     HAX_CHECK(ok, "{}: seq_idx must be non-decreasing along each row (it numbers packed sequences)", op);

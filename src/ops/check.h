@@ -15,9 +15,11 @@ void check_shape(const char* op, const char* name, const at::Tensor& t, const st
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* dims);
 // `t` must have dtype `dtype` and live on the same device as `like`.
 void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like);
-// `t` must be float32 or float64.
+// `t` must be on a device this build supports, and float32 or float64 on the CPU, float32 or
+// bfloat16 on a CUDA device.
 void check_floating(const char* op, const char* name, const at::Tensor& t);
-// Converts an optional seq_idx (B, L) to contiguous int32 and checks that each row is non-decreasing.
+// Converts an optional seq_idx (B, L) to contiguous int32 (on its own device) and checks that each
+// row is non-decreasing.
 at::Tensor check_seq_idx(const char* op, const at::Tensor& seq_idx, int64_t B, int64_t L);
 
 std::string shape_str(at::IntArrayRef s);

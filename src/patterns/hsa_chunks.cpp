@@ -73,7 +73,7 @@ ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& 
   constexpr const char* kOp = "chunk_layout";
   detail::check_sizes(kOp, B, 1, L);
   detail::check_positive(kOp, "chunk", chunk);
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L);
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L).cpu();
   std::vector<std::vector<int32_t>> starts(B);
   at::Tensor lo = at::empty({B, L}, at::TensorOptions().dtype(at::kInt));
   at::Tensor hi = at::empty({B, L}, at::TensorOptions().dtype(at::kInt));

@@ -156,7 +156,7 @@ at::Tensor lsh_buckets(const at::Tensor& x, const at::Tensor& proj, Binning binn
   constexpr const char* kOp = "lsh_buckets";
   check_vectors(kOp, "x", x);
   check_proj(kOp, proj, x.size(3), binning);
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, x.size(0), x.size(1));
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, x.size(0), x.size(1)).cpu();
   return detail::on(buckets_cpu(x, proj, binning, seq), x.device());
 }
 
@@ -169,7 +169,7 @@ KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::T
   detail::check_positive(kOp, "keys", keys);
   const int64_t h = check_proj(kOp, proj, q.size(3), binning);
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), K = keys;
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L);
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L).cpu();
   const at::Tensor bq = buckets_cpu(q, proj, binning, seq), bk = buckets_cpu(k, proj, binning, seq);
   const int64_t nb = num_buckets(binning, h);
 

@@ -60,7 +60,7 @@ KeyLists top_k_prefix(const at::Tensor& scores0, int64_t k, const at::Tensor& se
   detail::check_positive(kOp, "k", k);
   const int64_t B = scores0.size(0), L = scores0.size(1), H = scores0.size(2);
   detail::check_sizes(kOp, B, H, L);
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L);
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L).cpu();
   const at::Tensor scores = scores0.detach().to(at::kCPU).contiguous();
   at::Tensor idx = detail::empty_lists(B, H, L, k);
   if (scores.scalar_type() == at::kDouble)

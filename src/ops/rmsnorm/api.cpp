@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "ops/backend.h"
 #include "ops/check.h"
 #include "ops/rmsnorm/rmsnorm.h"
 
@@ -22,8 +23,6 @@ Dims check_inputs(const at::Tensor& x, const at::Tensor& z, const at::Tensor& we
   HAX_CHECK(x.dim() >= 1, "rmsnorm: x has shape {} but must have at least one dimension (..., D)",
             shape_str(x.sizes()));
   check_floating(kOp, "x", x);
-  HAX_CHECK(x.device().is_cpu(), "rmsnorm: x is on {}, but this build runs rmsnorm on the CPU only",
-            x.device().str());
   const int64_t D = x.size(-1);
   check_shape(kOp, "weight", weight, {D}, "(D)");
   check_same(kOp, "weight", weight, x);
@@ -56,10 +55,15 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_forward(const at::Tensor& x0, const a
   Dims d = check_inputs(x0, z0, weight0, eps, group_size);
   at::Tensor x = x0.contiguous(), weight = weight0.contiguous(), z = z0.defined() ? z0.contiguous() : z0;
   RmsNormParams p = make_params(d, eps, x, z, weight);
-  at::Tensor out = at::empty_like(x);
-  at::Tensor rstd = at::empty({d.M, p.ngroups()}, x.options());
+  at::Tensor out = new_output_like(x);
+  // rstd is float32 on CUDA (the kernels' math type), x's dtype on the CPU.
+  at::Tensor rstd = new_output({d.M, p.ngroups()}, x.is_cuda() ? x.options().dtype(at::kFloat) : x.options());
   p.out = out.data_ptr(), p.rstd = rstd.data_ptr();
-  if (d.M * d.D > 0) rmsnorm_forward_cpu(p, x.scalar_type());
+  if (d.M * d.D == 0) return {out, rstd};
+  if (x.is_cuda())
+    HAX_CUDA_LAUNCH(kOp, x, rmsnorm_forward_cuda(p, kernel_dtype(x), cuda_stream(x)));
+  else
+    rmsnorm_forward_cpu(p, x.scalar_type());
   return {out, rstd};
 }
 
@@ -93,13 +97,21 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     RmsNormGradParams gp;
     gp.fwd = make_params(d, eps, x, z, weight);
     gp.fwd.rstd = rstd.data_ptr();
-    at::Tensor dx = at::empty_like(x), dz = has_z ? at::empty_like(z) : at::Tensor();
-    at::Tensor dweight = at::zeros_like(weight);
+    at::Tensor dx = new_output_like(x), dz = has_z ? new_output_like(z) : at::Tensor();
+    // dweight is reduced in float32 on CUDA, in x's dtype on the CPU.
+    at::Tensor dweight = at::zeros(weight.sizes(), x.is_cuda() ? weight.options().dtype(at::kFloat) : weight.options());
     gp.dout = dout.data_ptr();
     gp.dx = dx.data_ptr(), gp.dz = has_z ? dz.data_ptr() : nullptr, gp.dweight = dweight.data_ptr();
-    if (d.M * d.D > 0) rmsnorm_backward_cpu(gp, x.scalar_type());
-    else dx.zero_(), has_z ? dz.zero_() : dz;
-    return {dx, dz, dweight, at::Tensor(), at::Tensor(), at::Tensor()};
+    if (d.M * d.D == 0) {
+      dx.zero_(), has_z ? dz.zero_() : dz;
+    } else if (x.is_cuda()) {
+      at::Tensor work = at::empty({rmsnorm_cuda_workspace(gp.fwd)}, x.options().dtype(at::kFloat));
+      gp.workspace = work.data_ptr();
+      HAX_CUDA_LAUNCH(kOp, x, rmsnorm_backward_cuda(gp, kernel_dtype(x), cuda_stream(x)));
+    } else {
+      rmsnorm_backward_cpu(gp, x.scalar_type());
+    }
+    return {dx, dz, dweight.to(weight.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -13,30 +13,9 @@
 
 #include <tuple>
 
+#include "ops/rmsnorm/params.h"
+
 namespace hax::ops {
-
-// Raw-pointer parameters of the RMSNorm kernels (all tensors contiguous, one dtype).
-struct RmsNormParams {
-  int64_t rows = 0;        // M, the product of x's leading dims
-  int64_t dim = 0;         // D, x's last dim
-  int64_t group_size = 0;  // entries per normalized group (divides D)
-  double eps = 1e-5;       // added to the mean square
-  const void* x = nullptr;       // (M, D)
-  const void* z = nullptr;       // (M, D) gate, or null (no gate)
-  const void* weight = nullptr;  // (D)
-  void* out = nullptr;           // out (M, D)
-  void* rstd = nullptr;          // out (M, D / group_size): 1 / sqrt(mean(u^2) + eps), or null
-  int64_t ngroups() const { return group_size > 0 ? dim / group_size : 0; }
-};
-
-// Gradient parameters: the forward's inputs and saved rstd plus dout.
-struct RmsNormGradParams {
-  RmsNormParams fwd;             // the forward's inputs and rstd
-  const void* dout = nullptr;    // (M, D)
-  void* dx = nullptr;            // out (M, D)
-  void* dz = nullptr;            // out (M, D), or null (no gate)
-  void* dweight = nullptr;       // out (D): reduced over rows inside, in a fixed order
-};
 
 // CPU kernels (float or double), parallel over fixed blocks of rows; deterministic (dweight is
 // summed per row block, then over blocks in order, whatever the thread count).

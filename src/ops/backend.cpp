@@ -1,0 +1,74 @@
+#include "ops/backend.h"
+
+#include <atomic>
+#include <climits>
+#include <limits>
+
+#include "core/error.h"
+
+#if defined(HAX_TORCH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace hax::ops {
+namespace {
+std::atomic<bool> g_poison{false};
+}
+
+bool cuda_backend_built() {
+#if defined(HAX_CUDA_KERNELS) && defined(HAX_TORCH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_available() { return cuda_backend_built() && at::hasCUDA(); }
+
+[[noreturn]] void no_cuda_kernels(const char* op, const at::Tensor& t) {
+  fail("{}: the tensors are on {}, but this build of hax has no CUDA kernels (configure it where nvcc and a "
+       "CUDA-enabled LibTorch are found, or with -DHAX_CUDA=ON to require them)",
+       op, t.device().str());
+}
+
+void check_backend(const char* op, const char* name, const at::Tensor& t) {
+  if (t.device().is_cpu()) return;
+  HAX_CHECK(t.device().is_cuda(), "{}: {} is on {}; hax runs on the CPU and on CUDA devices only", op, name,
+            t.device().str());
+  if (!cuda_backend_built()) no_cuda_kernels(op, t);
+}
+
+DType kernel_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    default: fail("CUDA kernels take float32 or bfloat16 tensors, not {}", c10::toString(t.scalar_type()));
+  }
+}
+
+void* cuda_stream(const at::Tensor& t) {
+#if defined(HAX_TORCH_CUDA)
+  c10::cuda::set_device(t.device().index());
+  return (void*)c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#else
+  no_cuda_kernels("cuda_stream", t);
+#endif
+}
+
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  if (g_poison.load(std::memory_order_relaxed) && t.numel() > 0) {
+    if (at::isFloatingType(t.scalar_type())) t.fill_(std::numeric_limits<double>::quiet_NaN());
+    else t.fill_(INT_MIN);
+  }
+  return t;
+}
+
+at::Tensor new_output_like(const at::Tensor& t) { return new_output(t.sizes(), t.options()); }
+
+void set_poison_outputs(bool on) { g_poison.store(on); }
+bool poison_outputs() { return g_poison.load(); }
+
+}  // namespace hax::ops

@@ -1,0 +1,44 @@
+// Backend selection in the ops' binding layers: which device a tensor is on, whether this build has
+// the CUDA kernels, which element type and stream a kernel gets, and output allocation (poisoned in
+// tests, so that an element a kernel forgets to write fails the comparison).
+#pragma once
+#include <ATen/ATen.h>
+
+#include "ops/kernel_dtype.h"
+
+namespace hax::ops {
+
+// Whether this build compiled the CUDA kernels and links a LibTorch that can hold CUDA tensors.
+bool cuda_backend_built();
+// Whether a CUDA device is usable now (the backend is built and a GPU is present).
+bool cuda_available();
+
+// `t` must be on the CPU, or on a CUDA device when this build has the CUDA kernels; a clear error
+// names the op and tensor otherwise.
+void check_backend(const char* op, const char* name, const at::Tensor& t);
+
+// The kernel element type of a CUDA tensor (float32 or bfloat16; checked by check_floating).
+DType kernel_dtype(const at::Tensor& t);
+
+// Makes t's device current and returns LibTorch's current stream on it (a cudaStream_t), so hax's
+// kernels order with LibTorch's own work. Only for CUDA tensors.
+void* cuda_stream(const at::Tensor& t);
+
+// at::empty, filled with NaN (floating) or INT_MIN (integer) while poisoning is on (tests).
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+at::Tensor new_output_like(const at::Tensor& t);
+void set_poison_outputs(bool on);
+bool poison_outputs();
+
+// The error for a CUDA tensor in a build without the CUDA kernels.
+[[noreturn]] void no_cuda_kernels(const char* op, const at::Tensor& t);
+
+}  // namespace hax::ops
+
+// Calls a CUDA kernel launcher when this build has them; otherwise reports that it has none.
+// HAX_CUDA_LAUNCH(op, tensor, launcher(args...));
+#if defined(HAX_CUDA_KERNELS)
+#define HAX_CUDA_LAUNCH(op, t, ...) __VA_ARGS__
+#else
+#define HAX_CUDA_LAUNCH(op, t, ...) ::hax::ops::no_cuda_kernels(op, t)
+#endif

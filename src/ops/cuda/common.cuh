@@ -1,0 +1,55 @@
+// Shared device helpers of hax's CUDA kernels: element loads and stores that accumulate in float32
+// whatever the storage type, warp reductions, and launch error checks. No LibTorch here.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "ops/kernel_dtype.h"
+
+namespace hax::ops::cuda {
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Throws (the binding layer turns it into the op's error) if the last launch failed.
+inline void check_launch(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
+}
+
+}  // namespace hax::ops::cuda
+
+// Runs `body` with `scalar_t` = float or __nv_bfloat16 according to a DType.
+#define HAX_DISPATCH_DTYPE(dtype, ...)                        \
+  do {                                                        \
+    if ((dtype) == ::hax::ops::DType::kF32) {                 \
+      using scalar_t = float;                                 \
+      __VA_ARGS__();                                          \
+    } else {                                                  \
+      using scalar_t = __nv_bfloat16;                         \
+      __VA_ARGS__();                                          \
+    }                                                         \
+  } while (0)
