@@ -15,6 +15,7 @@
 namespace hax::ops {
 namespace {
 std::atomic<bool> g_poison{false};
+std::atomic<bool> g_deterministic{false};
 }
 
 bool cuda_backend_built() {
@@ -67,6 +68,9 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 }
 
 at::Tensor new_output_like(const at::Tensor& t) { return new_output(t.sizes(), t.options()); }
+
+void set_deterministic(bool on) { g_deterministic.store(on); }
+bool deterministic() { return g_deterministic.load(); }
 
 void set_poison_outputs(bool on) { g_poison.store(on); }
 bool poison_outputs() { return g_poison.load(); }

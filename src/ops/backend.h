@@ -30,6 +30,12 @@ at::Tensor new_output_like(const at::Tensor& t);
 void set_poison_outputs(bool on);
 bool poison_outputs();
 
+// Deterministic mode (hax train --deterministic): backward kernels that would sum with float atomics
+// (whose order varies run to run) use a fixed-order reduction instead. Off by default on CUDA; the
+// CPU kernels are always deterministic.
+void set_deterministic(bool on);
+bool deterministic();
+
 // The error for a CUDA tensor in a build without the CUDA kernels.
 [[noreturn]] void no_cuda_kernels(const char* op, const at::Tensor& t);
 
