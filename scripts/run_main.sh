@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec build/hax train --run-dir "runs/main-$(date +%Y%m%d-%H%M%S)" "$@"
+# --device auto: on the GPU when this build has the CUDA backend and a GPU is present, else the CPU.
+exec build/hax train --device auto --run-dir "runs/main-$(date +%Y%m%d-%H%M%S)" "$@"

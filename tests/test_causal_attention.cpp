@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "op_harness.h"
+#include "cuda_harness.h"
 #include "ops/attention/attention.h"
 #include "ops/causal_attention/causal_attention.h"
 
@@ -192,4 +192,138 @@ TEST(CausalAttention, DISABLED_Timing) {
     std::printf("causal_attention L=%lld: forward %.1f ms (%.0f GFLOP/s), forward+backward %.1f ms\n", (long long)L,
                 fwd, flop / fwd / 1e6, fb);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels: float32 against the CPU op, bfloat16 (tensor cores and FMA tiles) against the
+// float64 definition. Every case applies random cotangents to both outputs (dlse included).
+
+namespace {
+
+// Runs the bfloat16 CUDA kernels on tensor cores (or not) while alive.
+struct TensorCores {
+  bool before;
+  explicit TensorCores(bool on) : before(hax::ops::causal_attention_tensor_cores()) {
+    hax::ops::set_causal_attention_tensor_cores(on);
+  }
+  ~TensorCores() { hax::ops::set_causal_attention_tensor_cores(before); }
+};
+
+// The case with only `out` as an output: the backward gets no dlse (the layers' use).
+OpCase out_only(CausalSize s) {
+  OpCase c = causal_case(s);
+  auto op = c.op, ref = c.reference;
+  c.name += " (out only)";
+  c.op = [op](const Tensors& in) { return Tensors{op(in)[0]}; };
+  c.reference = [ref](const Tensors& in) { return Tensors{ref(in)[0]}; };
+  return c;
+}
+
+// The bfloat16 error floor of the tensor-core kernels. P and dS enter their second products
+// rounded to bfloat16 (as in FlashAttention-2), so a gradient is rounded twice: a row with few
+// visible keys gets about twice the naive error by itself, before any sum. Measured on an
+// emulation of the kernels (float64 everywhere but those roundings): max(error - 2 naive) 2.9e-3
+// (D = Dv = 1), under 1e-3 for D >= 16. The FMA tiles keep P and dS in float32, but both paths
+// take Δ = dO·O from the bfloat16-rounded output (as FlashAttention does): on the H100 a window-5
+// case's dq/dk reached 2·naive + 2.5e-3 with the FMA tiles, so both use this floor.
+constexpr double kTensorCoreFloor = 5e-3;
+
+// float32 vs the CPU, then bfloat16 vs float64 on both tile families.
+void expect_cuda_case(const OpCase& c) {
+  expect_cuda_matches_cpu(c, 5e-5, 1e-4);
+  {
+    TensorCores tc(true);
+    SCOPED_TRACE("bfloat16, tensor cores");
+    expect_cuda_bf16_close(c, kTensorCoreFloor);
+  }
+  {
+    TensorCores tc(false);
+    SCOPED_TRACE("bfloat16, FMA tiles");
+    expect_cuda_bf16_close(c, kTensorCoreFloor);
+  }
+}
+
+}  // namespace
+
+TEST(CausalAttentionCuda, MatchesCpuFloat32AndBf16) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(30);
+  const int64_t dims[] = {16, 32, 64, 128};
+  const int64_t other_dv[] = {24, 20, 128, 72};  // Dv != D: other buckets; 20 % 8 != 0 (unvectorized loads)
+  int m = 0;
+  for (int64_t L : {1, 63, 64, 65, 97, 1025})
+    for (int di = 0; di < 4; ++di, ++m)
+      for (int var = 0; var < 2; ++var) {
+        // Per (L, D): one case with B = 1, H = 3 and one with B = 2, H = 1; Dv != D in one of them,
+        // packing in one of them (which ones alternates with m).
+        const int64_t D = dims[di], Dv = (m + var) % 2 ? other_dv[di] : D;
+        CausalSize s{var ? 2 : 1, L, var ? 1 : 3, D, Dv, 0, (m / 2 + var) % 2 == 0};
+        SCOPED_TRACE(describe(s));
+        expect_cuda_case(causal_case(s));
+      }
+}
+
+TEST(CausalAttentionCuda, SlidingWindowsAndOddHeadDims) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(31);
+  for (int64_t window : {1, 5, 64, 65, 300})
+    for (bool packed : {false, true}) {
+      CausalSize s{2, window == 300 ? 1025 : 201, 2, 32, 16, window, packed};
+      SCOPED_TRACE(describe(s));
+      expect_cuda_case(causal_case(s));
+    }
+  // Any head dim up to 128: padded to the next bucket.
+  const std::vector<std::pair<int64_t, int64_t>> odd = {{1, 1}, {5, 3}, {17, 33}, {100, 100}, {127, 65}, {128, 1}};
+  for (auto [D, Dv] : odd) {
+    CausalSize s{2, 130, 2, D, Dv, 0, true};
+    SCOPED_TRACE(describe(s));
+    expect_cuda_case(causal_case(s));
+  }
+}
+
+TEST(CausalAttentionCuda, WithoutLseCotangent) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(32);
+  for (bool packed : {false, true}) {
+    CausalSize s{2, 300, 3, 64, 64, 0, packed};
+    SCOPED_TRACE(describe(s));
+    expect_cuda_case(out_only(s));
+  }
+}
+
+TEST(CausalAttentionCuda, LongSequence) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(33);
+  expect_cuda_matches_cpu(causal_case({1, 4097, 1, 32, 32, 0, false}), 5e-5, 1e-4);
+  expect_cuda_matches_cpu(causal_case({1, 4097, 1, 32, 16, 0, true}), 5e-5, 1e-4);
+  TensorCores tc(true);
+  expect_cuda_bf16_close(causal_case({1, 2049, 2, 64, 64, 0, false}), kTensorCoreFloor);
+}
+
+TEST(CausalAttentionCuda, GradientsAreBitIdenticalAcrossRuns) {
+  // No atomics: two runs give the same bits (deterministic mode changes nothing here).
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(34);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    OpCase c = causal_case({2, 1000, 3, 64, 32, 0, true});
+    Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), dt);
+    Tensors w = random_cotangents(c.op(clone_leaves(in)));
+    auto [o1, g1] = run_on_device(c.op, in, w);
+    auto [o2, g2] = run_on_device(c.op, in, w);
+    for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
+    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
+  }
+}
+
+TEST(CausalAttentionCuda, BadInputsNameTheTensor) {
+  HAX_REQUIRE_CUDA();
+  auto o = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+  at::Tensor q = at::randn({1, 6, 2, 4}, o), k = at::randn({1, 6, 2, 4}, o), v = at::randn({1, 6, 2, 3}, o);
+  at::Tensor seq = at::zeros({1, 6}, at::kInt);
+  causal_attention(q, k, v, seq.cuda(), 0, 0.5);  // valid
+  expect_usage_error([&] { causal_attention(q, k, v, seq, 0, 0.5); }, "seq_idx is on cpu but q is on cuda");
+  expect_usage_error([&] { causal_attention(q, k, v.cpu(), {}, 0, 0.5); }, "v is on cpu");
+  expect_usage_error([&] { causal_attention(q.to(at::kDouble), k, v, {}, 0, 0.5); }, "q has dtype Double");
+  at::Tensor big = at::randn({1, 6, 2, 129}, o);
+  expect_usage_error([&] { causal_attention(big, big, v, {}, 0, 0.5); }, "must be at most 128 on CUDA");
 }

@@ -1,5 +1,6 @@
 // Causal depthwise conv1d: kernel vs. the LibTorch definition in float64, gradients, conv
 // states, packing, errors.
+#include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/conv1d/conv1d.h"
 
@@ -169,4 +170,81 @@ TEST(Conv1d, BadInputsNameTheTensor) {
   at::Tensor bad_seq = at::tensor({0, 0, 1, 1, 0, 0, 0, 0, 0, 0}, at::kInt).view({2, 5});
   expect_usage_error([&] { causal_conv1d(x, w, b, h0, bad_seq, true); }, "non-decreasing");
   expect_usage_error([&] { causal_conv1d_forward(x, at::randn({16, 0}, o), b, {}, {}, true); }, "W = 0");
+}
+
+// ---- CUDA (skipped without a GPU) ----
+
+TEST(Conv1dCuda, MatchesCpuFloat32AndBf16) {
+  // Channel counts that leave a partial 32-channel tile; lengths around the 128-position blocks.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(21);
+  for (int64_t L : {1, 2, 3, 63, 97, 1025})
+    for (int64_t W : {2, 3, 4})
+      for (int64_t C : {33, 100})
+        for (int flags = 0; flags < 8; ++flags) {
+          if (C == 100 && flags % 3 != 0) continue;  // every combination at C = 33, a few at 100
+          const bool bias = flags & 1, init = flags & 2, packed = flags & 4, silu = (flags + W) % 2 == 0;
+          SCOPED_TRACE(::testing::Message() << "L=" << L << " W=" << W << " C=" << C << " bias=" << bias
+                                            << " init=" << init << " packed=" << packed << " silu=" << silu);
+          OpCase c = conv_case({2, L, C, W, bias, init, packed, silu});
+          expect_cuda_matches_cpu(c, 2e-5, 1e-4);
+          expect_cuda_bf16_close(c);
+        }
+}
+
+TEST(Conv1dCuda, OtherWidthsAndShortRows) {
+  // Widths of every compiled bound (4, 8, 16) and rows shorter than the window.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(22);
+  for (int64_t W : {1, 5, 8, 9, 16})
+    for (int64_t L : {1, 5, 200}) {
+      SCOPED_TRACE(::testing::Message() << "W=" << W << " L=" << L);
+      OpCase c = conv_case({3, L, 40, W, true, true, true, true});
+      expect_cuda_matches_cpu(c, 2e-5, 1e-4);
+      expect_cuda_bf16_close(c);
+    }
+}
+
+TEST(Conv1dCuda, LongRow) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(23);
+  OpCase c = conv_case({1, 65537, 5, 4, true, true, true, true});
+  expect_cuda_matches_cpu(c, 1e-4, 1e-4);
+  expect_cuda_bf16_close(c);
+}
+
+TEST(Conv1dCuda, EmptyRowKeepsTheState) {
+  HAX_REQUIRE_CUDA();
+  auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  at::Tensor h0 = at::randn({2, 3, 7}, o);
+  auto [y, f] = causal_conv1d_forward(at::zeros({2, 0, 7}, o), at::randn({7, 4}, o), at::randn({7}, o), h0, {}, true);
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 0, 7}));
+  EXPECT_TRUE(at::equal(f, h0));
+}
+
+TEST(Conv1dCuda, GradientsAreBitIdenticalAcrossRuns) {
+  // dweight and dbias are reduced in a fixed order (no atomics), deterministic mode or not.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(24);
+  OpCase c = conv_case({4, 3000, 70, 4, true, true, true, true});
+  Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kFloat);
+  Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  auto [o1, g1] = run_on_device(c.op, in, w);
+  auto [o2, g2] = run_on_device(c.op, in, w);
+  for (size_t i = 0; i < g1.size(); ++i) {
+    if (g1[i].defined()) {
+      EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
+    }
+  }
+}
+
+TEST(Conv1dCuda, BadInputsNameTheTensor) {
+  HAX_REQUIRE_CUDA();
+  auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  at::Tensor x = at::randn({2, 5, 16}, o);
+  expect_usage_error([&] { causal_conv1d(x, at::randn({16, 17}, o), {}, {}, {}, true); },
+                     "kernel width W = 17 (weight's dim 1) exceeds the CUDA kernels' maximum 16");
+  expect_usage_error([&] { causal_conv1d(x.to(at::kDouble), at::randn({16, 4}, o).to(at::kDouble), {}, {}, {}, true); },
+                     "x has dtype Double on cuda:0, but the CUDA kernels take float32 or bfloat16");
+  expect_usage_error([&] { causal_conv1d(x, at::randn({16, 4}), {}, {}, {}, true); }, "weight is on cpu");
 }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "cuda_harness.h"
 #include "layers/dma.h"
 #include "layers/hsa.h"
 #include "op_harness.h"
@@ -249,6 +250,79 @@ TEST(Hsa, BadInputsNameTheTensor) {
   hax::testing::expect_usage_error([&] { hax::patterns::chunk_layout(1, 10, 0, {}); }, "chunk");
   hax::testing::expect_usage_error(
       [&] { hax::patterns::top_k_chunks(at::randn({1, 10, 3}), at::randn({1, 2, 3}), lay.hi, lay.lo, 2); }, "chunk range");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pattern functions of DMA and HSA on a CUDA device equal the CPU's exactly.
+
+// `got` (on the GPU) equals the CPU's `want`, with its dtype.
+void expect_cuda_equal(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what;
+  EXPECT_TRUE(got.is_cuda()) << what << " is on " << got.device().str();
+  EXPECT_EQ(got.scalar_type(), want.scalar_type()) << what;
+  EXPECT_TRUE(at::equal(got.cpu(), want)) << what;
+}
+
+TEST(Dma, CudaSelectionEqualsCpu) {
+  HAX_REQUIRE_CUDA();
+  hax::ops::set_poison_outputs(true);
+  const at::Device gpu(at::kCUDA, 0);
+  for (int64_t L : {1, 63, 97, 1025})
+    for (int64_t w : {1, 5, 16, 64, 2000})
+      for (bool packed : {false, true}) {
+        torch::manual_seed(300 + L + w);
+        // δ = exp(·) > 0, and rounded to few values so that ties are common.
+        const at::Tensor delta = at::exp(at::round(at::randn({2, L, 3}) * 2) / 2);
+        const at::Tensor seq = packed ? hax::testing::random_packing(2, L, 0.05) : at::Tensor();
+        const at::Tensor want = hax::patterns::top_k_prefix(delta, w, seq).idx;
+        expect_cuda_equal(hax::patterns::top_k_prefix(delta.to(gpu), w, seq.defined() ? seq.to(gpu) : seq).idx, want,
+                          "L=" + std::to_string(L) + " w=" + std::to_string(w) + " packed=" + std::to_string(packed));
+      }
+  hax::ops::set_poison_outputs(false);
+}
+
+TEST(Hsa, CudaChunkLayoutTopKChunksAndListsEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  hax::ops::set_poison_outputs(true);
+  const at::Device gpu(at::kCUDA, 0);
+  for (int64_t L : {1, 63, 97, 1025})
+    for (int64_t C : {1, 5, 16, 64})
+      for (bool packed : {false, true}) {
+        torch::manual_seed(400 + L + C);
+        const std::string at_ =
+            "L=" + std::to_string(L) + " C=" + std::to_string(C) + " packed=" + std::to_string(packed);
+        const int64_t B = 2, D = 6, H = 3;
+        const at::Tensor seq = packed ? hax::testing::random_packing(B, L, 0.03) : at::Tensor();
+        const auto lay = hax::patterns::chunk_layout(B, L, C, seq);
+        // On seq_idx's device, or on the one asked for.
+        const auto glay =
+            packed ? hax::patterns::chunk_layout(B, L, C, seq.to(gpu)) : hax::patterns::chunk_layout(B, L, C, seq, gpu);
+        expect_cuda_equal(glay.start, lay.start, "start " + at_);
+        expect_cuda_equal(glay.lo, lay.lo, "lo " + at_);
+        expect_cuda_equal(glay.hi, lay.hi, "hi " + at_);
+        const int64_t NC = lay.start.size(1);
+        for (int64_t k : {1, 2, 3, 7, 50}) {
+          // Small integers: every score is exact in any summation order, and ties are common.
+          const at::Tensor qr = at::randint(-3, 4, {B, L, D}).to(at::kFloat);
+          const at::Tensor lm = at::randint(-3, 4, {B, NC, D}).to(at::kFloat);
+          const at::Tensor chunks = hax::patterns::top_k_chunks(qr, lm, lay.lo, lay.hi, k);
+          const at::Tensor gchunks = hax::patterns::top_k_chunks(qr.to(gpu), lm.to(gpu), glay.lo, glay.hi, k);
+          expect_cuda_equal(gchunks, chunks, "top_k_chunks k=" + std::to_string(k) + " " + at_);
+          expect_cuda_equal(
+              hax::patterns::top_k_chunks(qr.to(gpu, at::kBFloat16), lm.to(gpu, at::kBFloat16), glay.lo, glay.hi, k),
+              chunks, "bfloat16 top_k_chunks k=" + std::to_string(k) + " " + at_);
+          expect_cuda_equal(hax::patterns::chunk_lists(gchunks, glay.start, C, H),
+                            hax::patterns::chunk_lists(chunks, lay.start, C, H), "chunk_lists " + at_);
+        }
+      }
+  // A range outside [0, NC] names the query, as on the CPU.
+  const auto lay = hax::patterns::chunk_layout(1, 10, 4, {}, gpu);
+  hax::testing::expect_usage_error(
+      [&] {
+        hax::patterns::top_k_chunks(at::randn({1, 10, 3}, gpu), at::randn({1, 2, 3}, gpu), lay.hi, lay.lo, 2);
+      },
+      "chunk range");
+  hax::ops::set_poison_outputs(false);
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // for every query, scan all keys j <= i, on fresh random inputs, with and without packed
 // sequences. Also: list invariants, packed rows equal each sequence alone, LSH buckets from the
 // float64 definition, causal centering, Key Selection ties, merge as a set union, the projection's
-// determinism and moments, argument errors, and the speed at L = 65536.
+// determinism and moments, argument errors, and the speed at L = 65536. On a CUDA device: every
+// builder's CUDA lists equal its CPU lists exactly (PatternCuda, skipped without a GPU).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -12,7 +13,10 @@
 #include <set>
 #include <vector>
 
+#include "cuda_harness.h"
 #include "op_harness.h"
+#include "ops/check.h"
+#include "patterns/cuda_params.h"
 #include "patterns/pattern.h"
 
 using namespace hax::testing;
@@ -638,6 +642,11 @@ TEST(PatternErrors, BadArgumentsNameTheArgument) {
   expect_usage_error([&] { pat::sliding_window(2, 1, 8, 4, at::zeros({2, 7}, at::kInt)); }, "seq_idx");
   expect_usage_error([&] { pat::sink(1, 1, 3, 4, at::tensor({0, 1, 0}, at::kInt).view({1, 3})); }, "non-decreasing");
   expect_usage_error([&] { pat::sink(1, 1, 3, 4, at::zeros({1, 3})); }, "seq_idx has dtype");
+  // Lists go to the CPU or a CUDA device, the latter only in a build with the CUDA backend.
+  expect_usage_error([&] { pat::sliding_window(1, 1, 8, 2, none, at::Device(at::kMeta)); }, "CUDA devices only");
+  expect_usage_error([&] { pat::chunk_layout(1, 8, 2, none, at::Device(at::kMeta)); }, "CUDA devices only");
+  if (!hax::ops::cuda_backend_built())
+    expect_usage_error([&] { pat::sink(1, 1, 8, 2, none, at::Device(at::kCUDA)); }, "no CUDA kernels");
 
   at::Tensor q = at::randn({1, 10, 2, 4}), proj = pat::lsh_projection(4, 3, 1);
   expect_usage_error([&] { pat::lsh(q, q, 0, proj, pat::Binning::kSign, none); }, "keys = 0");
@@ -667,4 +676,233 @@ TEST(PatternErrors, BadArgumentsNameTheArgument) {
   EXPECT_EQ(pat::binning_from_string("argmax"), pat::Binning::kArgmax);
   expect_usage_error([&] { pat::binning_from_string("hamming"); }, "--lsh-binning");
   expect_usage_error([&] { pat::binning_from_string("hamming"); }, "hamming");
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA: every builder on CUDA inputs (or asked for CUDA lists) builds them on the GPU, equal to its
+// CPU lists for the same inputs: same keys, order, -1 padding, q_order and ties. Outputs are
+// poisoned while the GPU builds them, so a slot a kernel leaves unwritten fails.
+
+namespace {
+
+const at::Device kCuda(at::kCUDA, 0);
+
+at::Tensor cuda(const at::Tensor& t) { return t.defined() ? t.to(kCuda) : t; }
+
+// Poisons new outputs for the scope (ops::new_output fills them with INT_MIN / NaN).
+struct PoisonOutputs {
+  PoisonOutputs() { hax::ops::set_poison_outputs(true); }
+  ~PoisonOutputs() { hax::ops::set_poison_outputs(false); }
+};
+
+// Where two equal-shaped int tensors first differ, and how often.
+std::string first_difference(const at::Tensor& got, const at::Tensor& want) {
+  if (got.sizes() != want.sizes())
+    return "shape " + hax::ops::shape_str(got.sizes()) + " vs " + hax::ops::shape_str(want.sizes());
+  const at::Tensor at_ = got.ne(want).flatten().nonzero();
+  if (at_.numel() == 0) return "equal";
+  const int64_t i = at_[0][0].item<int64_t>();
+  return std::to_string(at_.size(0)) + " entries differ, the first at flat index " + std::to_string(i) + ": " +
+         std::to_string(got.flatten()[i].item<int64_t>()) + " vs the CPU's " +
+         std::to_string(want.flatten()[i].item<int64_t>());
+}
+
+// `got` is an int32 tensor on the GPU equal to the CPU's `want`.
+void expect_cuda_lists(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what;
+  EXPECT_TRUE(got.is_cuda()) << what << " is on " << got.device().str();
+  EXPECT_EQ(got.scalar_type(), at::kInt) << what;
+  const at::Tensor g = got.cpu();
+  EXPECT_TRUE(at::equal(g, want)) << what << ": " << first_difference(g, want);
+}
+
+const int64_t kCudaKs[] = {1, 7, 32, 33, 64, 2000};  // 2000 > every L of kLengths
+
+}  // namespace
+
+TEST(PatternCuda, SlidingWindowSinkDilatedEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(201);
+  const int64_t B = 2, H = 3;
+  for (int64_t L : kLengths)
+    for (int64_t k : kCudaKs)
+      for (bool packed : {false, true}) {
+        SCOPED_TRACE(trace(L, k, packed));
+        const at::Tensor seq = packing(B, L, packed), seq_gpu = cuda(seq);
+        const auto dev =
+            packed ? std::optional<at::Device>() : std::optional<at::Device>(kCuda);  // via seq_idx, or asked for
+        expect_cuda_lists(pat::sliding_window(B, H, L, k, seq_gpu, dev).idx, pat::sliding_window(B, H, L, k, seq).idx,
+                          "SW");
+        expect_cuda_lists(pat::sink(B, H, L, k, seq_gpu, dev).idx, pat::sink(B, H, L, k, seq).idx, "sink");
+        for (int64_t r : {1, 2, 5})
+          expect_cuda_lists(pat::dilated(B, H, L, k, r, seq_gpu, dev).idx, pat::dilated(B, H, L, k, r, seq).idx,
+                            "dilated r=" + std::to_string(r));
+      }
+}
+
+TEST(PatternCuda, TheDeviceArgumentAndSeqIdxDecideTheDevice) {
+  HAX_REQUIRE_CUDA();
+  const at::Tensor seq = random_packing(2, 50, 0.1);
+  const at::Tensor want = pat::sliding_window(2, 2, 50, 4, seq).idx;
+  // No device: seq_idx's. A device: that one, wherever seq_idx is.
+  expect_cuda_lists(pat::sliding_window(2, 2, 50, 4, cuda(seq)).idx, want, "CUDA seq_idx");
+  expect_cuda_lists(pat::sliding_window(2, 2, 50, 4, seq, kCuda).idx, want, "CPU seq_idx, CUDA device");
+  const at::Tensor back = pat::sliding_window(2, 2, 50, 4, cuda(seq), at::Device(at::kCPU)).idx;
+  EXPECT_TRUE(back.device().is_cpu());
+  EXPECT_TRUE(at::equal(back, want));
+  expect_cuda_lists(pat::sink(1, 2, 50, 4, at::Tensor(), at::kCUDA).idx, pat::sink(1, 2, 50, 4, at::Tensor()).idx,
+                    "no seq_idx, at::kCUDA");
+  EXPECT_TRUE(pat::sliding_window(1, 1, 8, 2, at::Tensor()).idx.device().is_cpu());
+}
+
+TEST(PatternCuda, LongSlidingWindowAndDilatedEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(202);
+  const int64_t L = 65537;
+  for (bool packed : {false, true}) {
+    const at::Tensor seq = packed ? random_packing(1, L, 0.0002) : at::Tensor();
+    expect_cuda_lists(pat::sliding_window(1, 1, L, 64, cuda(seq), kCuda).idx, pat::sliding_window(1, 1, L, 64, seq).idx,
+                      "SW at 65537");
+    expect_cuda_lists(pat::dilated(1, 1, L, 16, 7, cuda(seq), kCuda).idx, pat::dilated(1, 1, L, 16, 7, seq).idx,
+                      "dilated at 65537");
+  }
+}
+
+TEST(PatternCuda, LshBucketsEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(211);
+  const int64_t B = 2, H = 3, N = 8;
+  struct Rule {
+    pat::Binning binning;
+    int64_t h;
+  };
+  // h = 40: argmax past the 32 lanes of a group (the centered values go through memory).
+  for (Rule rule : {Rule{pat::Binning::kSign, 3}, Rule{pat::Binning::kSign, 8}, Rule{pat::Binning::kSign, 30},
+                    Rule{pat::Binning::kArgmax, 1}, Rule{pat::Binning::kArgmax, 5}, Rule{pat::Binning::kArgmax, 32},
+                    Rule{pat::Binning::kArgmax, 40}})
+    for (int64_t L : kLengths)
+      for (bool packed : {false, true})
+        for (bool integers : {false, true}) {
+          SCOPED_TRACE("L=" + std::to_string(L) + " h=" + std::to_string(rule.h) + " packed=" + std::to_string(packed) +
+                       " integers=" + std::to_string(integers));
+          const at::Tensor seq = packing(B, L, packed);
+          // Integer values: sums exact in any order, and many exact zeros and ties after centering.
+          const at::Tensor x = integers ? at::randint(-2, 3, {B, L, H, N}).to(at::kFloat) : at::randn({B, L, H, N});
+          const at::Tensor proj =
+              integers ? at::randint(-2, 3, {N, rule.h}).to(at::kFloat) : pat::lsh_projection(N, rule.h, 5 + rule.h);
+          expect_cuda_lists(pat::lsh_buckets(cuda(x), cuda(proj), rule.binning, cuda(seq)),
+                            pat::lsh_buckets(x, proj, rule.binning, seq), "float32 buckets");
+          // bfloat16 on the GPU: the CPU's float32 of the same values.
+          const at::Tensor xb = x.to(at::kBFloat16), pb = proj.to(at::kBFloat16);
+          expect_cuda_lists(pat::lsh_buckets(cuda(xb), cuda(pb), rule.binning, cuda(seq)),
+                            pat::lsh_buckets(xb.to(at::kFloat), pb.to(at::kFloat), rule.binning, seq),
+                            "bfloat16 buckets");
+        }
+}
+
+TEST(PatternCuda, LshEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(221);
+  const int64_t B = 2, H = 2, N = 8;
+  struct Rule {
+    pat::Binning binning;
+    int64_t h;
+  };
+  // 2^20 and 2^30 buckets: int64 sort keys (nb·L > INT32_MAX) at the longer lengths.
+  for (Rule rule : {Rule{pat::Binning::kSign, 3}, Rule{pat::Binning::kArgmax, 5}, Rule{pat::Binning::kSign, 20},
+                    Rule{pat::Binning::kSign, 30}})
+    for (int64_t L : kLengths)
+      for (int64_t k : kCudaKs)
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE(trace(L, k, packed) + " h=" + std::to_string(rule.h));
+          const at::Tensor seq = packing(B, L, packed);
+          const at::Tensor q = at::randn({B, L, H, N});
+          const at::Tensor kk =
+              at::where(at::rand({B, L, H, 1}) < 0.5, q + 0.1 * at::randn({B, L, H, N}), at::randn({B, L, H, N}));
+          const at::Tensor proj = pat::lsh_projection(N, rule.h, 77 + k);
+          const pat::KeyLists want = pat::lsh(q, kk, k, proj, rule.binning, seq);
+          const pat::KeyLists got = pat::lsh(cuda(q), cuda(kk), k, cuda(proj), rule.binning, cuda(seq));
+          expect_cuda_lists(got.idx, want.idx, "LSH lists");
+          expect_cuda_lists(got.q_order, want.q_order, "LSH q_order");
+        }
+}
+
+TEST(PatternCuda, TopKPrefixEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(231);
+  const int64_t B = 2, H = 2;
+  for (bool ties : {false, true})
+    for (int64_t L : kLengths)
+      for (int64_t k : {1, 2, 7, 32, 63, 64, 65, 100, 2000})
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE(trace(L, k, packed) + " ties=" + std::to_string(ties));
+          const at::Tensor seq = packing(B, L, packed);
+          // ties: integer scores 0..3, so most comparisons are ties.
+          const at::Tensor scores = ties ? at::randint(0, 4, {B, L, H}).to(at::kFloat) : at::randn({B, L, H});
+          const at::Tensor want = pat::top_k_prefix(scores, k, seq).idx;
+          const pat::KeyLists got = pat::top_k_prefix(cuda(scores), k, cuda(seq));
+          EXPECT_FALSE(got.q_order.defined());
+          expect_cuda_lists(got.idx, want, "float32 Key Selection");
+          // bfloat16 scores of integers are the same numbers.
+          if (ties)
+            expect_cuda_lists(pat::top_k_prefix(cuda(scores.to(at::kBFloat16)), k, cuda(seq)).idx, want, "bfloat16");
+        }
+}
+
+TEST(PatternCuda, TopKPrefixSpecialValuesAndLongRows) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  // NaN ranks as -inf (and ties with it), -0 ties with +0.
+  const at::Tensor s =
+      at::tensor({NAN, 1.f, NAN, -5.f, -INFINITY, 0.f, -0.f, 0.f, 3.f, -INFINITY, NAN, 2.f}, at::kFloat)
+          .view({1, 12, 1});
+  for (int64_t k : {1, 2, 3, 5})
+    expect_cuda_lists(pat::top_k_prefix(cuda(s), k, at::Tensor()).idx, pat::top_k_prefix(s, k, at::Tensor()).idx,
+                      "special values k=" + std::to_string(k));
+  // Long rows: many blocks of 64 queries and super blocks of 32 blocks, sequences across them.
+  torch::manual_seed(232);
+  const int64_t L = 65537;
+  for (bool packed : {false, true})
+    for (int64_t k : {3, 64}) {
+      SCOPED_TRACE(trace(L, k, packed));
+      const at::Tensor seq = packed ? random_packing(1, L, 0.0005) : at::Tensor();
+      const at::Tensor scores = at::randint(0, 50, {1, L, 2}).to(at::kFloat);
+      expect_cuda_lists(pat::top_k_prefix(cuda(scores), k, cuda(seq)).idx, pat::top_k_prefix(scores, k, seq).idx,
+                        "Key Selection at 65537");
+    }
+  // k too large for the kernels' shared memory (and < L): served by the CPU loop, still on the GPU.
+  const at::Tensor big = at::randn({1, hax::patterns::kTopKMaxK + 100, 1});
+  expect_cuda_lists(pat::top_k_prefix(cuda(big), hax::patterns::kTopKMaxK + 1, at::Tensor()).idx,
+                    pat::top_k_prefix(big, hax::patterns::kTopKMaxK + 1, at::Tensor()).idx, "k above the kernels'");
+}
+
+TEST(PatternCuda, MergeAndKeyCountsEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(241);
+  const int64_t B = 2, H = 3, N = 8;
+  for (int64_t L : kLengths)
+    for (bool packed : {false, true}) {
+      SCOPED_TRACE(trace(L, 0, packed));
+      const at::Tensor seq = packing(B, L, packed);
+      const pat::KeyLists a = pat::lsh(at::randn({B, L, H, N}), at::randn({B, L, H, N}), 32,
+                                       pat::lsh_projection(N, 3, 9), pat::Binning::kSign, seq);
+      const pat::KeyLists b = pat::top_k_prefix(at::randn({B, L, H}), 7, seq);
+      const pat::KeyLists wide = pat::sliding_window(B, H, L, 300, seq);  // past the staged kernel's tile
+      auto on_gpu = [](const pat::KeyLists& l) { return pat::KeyLists{cuda(l.idx), cuda(l.q_order)}; };
+      for (const auto& [x, y] :
+           {std::make_pair(a, b), std::make_pair(b, a), std::make_pair(a, a), std::make_pair(wide, b)}) {
+        const pat::KeyLists got = pat::merge(on_gpu(x), on_gpu(y));
+        const pat::KeyLists want = pat::merge(x, y);
+        expect_cuda_lists(got.idx, want.idx, "merge");
+        EXPECT_EQ(got.q_order.defined(), want.q_order.defined());
+        if (want.q_order.defined()) expect_cuda_lists(got.q_order, want.q_order, "merge q_order");
+        expect_cuda_lists(pat::key_counts(got), pat::key_counts(want), "key_counts");
+      }
+    }
 }

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "core/threads.h"
+#include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/selective_scan/selective_scan.h"
 
@@ -18,7 +19,8 @@ struct ScanSize {
   bool init, packed;
 };
 
-OpCase scan_case(ScanSize s) {
+// y_only: the op returns only y, so no gradient reaches the final state (dfinal absent).
+OpCase scan_case(ScanSize s, bool y_only = false) {
   OpCase c;
   c.name = "selective_scan";
   c.make_inputs = [s](at::ScalarType dt) {
@@ -34,13 +36,13 @@ OpCase scan_case(ScanSize s) {
     return in;
   };
   const int64_t ck = s.checkpoint;
-  c.op = [ck](const Tensors& in) {
+  c.op = [ck, y_only](const Tensors& in) {
     auto [y, f] = selective_scan(in[0], in[1], in[2], in[3], in[4], in[5], in[6], ck);
-    return Tensors{y, f};
+    return y_only ? Tensors{y} : Tensors{y, f};
   };
-  c.reference = [](const Tensors& in) {
+  c.reference = [y_only](const Tensors& in) {
     auto [y, f] = selective_scan_reference(in[0], in[1], in[2], in[3], in[4], in[5], in[6]);
-    return Tensors{y, f};
+    return y_only ? Tensors{y} : Tensors{y, f};
   };
   return c;
 }
@@ -206,4 +208,108 @@ TEST(SelectiveScan, DISABLED_TimingB64L1024D128N16) {
     std::printf("threads %d: forward (no grad) %.1f ms, forward (saving checkpoints) %.1f ms, backward %.1f ms\n",
                 at::get_num_threads(), ms(t0, t1), ms(t1, t2), ms(t2, t3));
   }
+}
+
+// ---- CUDA (skipped without a GPU) ----
+
+TEST(SelectiveScanCuda, MatchesCpuFloat32AndBf16) {
+  // Channel counts that leave partial warps and channel tiles (33 in one group, 100 in two groups
+  // of 50); L = 1025 spans 17 forward segments and 65 backward sub-segments.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(31);
+  for (int64_t L : {1, 2, 3, 63, 97, 1025})
+    for (auto [D, G] : {std::pair<int64_t, int64_t>{33, 1}, {100, 2}})
+      for (bool init : {false, true})
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "L=" << L << " D=" << D << " G=" << G << " init=" << init
+                                            << " packed=" << packed);
+          OpCase c = scan_case({2, L, D, G, 16, 64, init, packed});
+          expect_cuda_matches_cpu(c, 1e-4, 1e-3);
+          if (L < 1025 || (init && packed)) expect_cuda_bf16_close(c);  // the naive float64 oracle is slow
+        }
+}
+
+TEST(SelectiveScanCuda, StateSizesCheckpointsAndGroups) {
+  // N up to 16 in one lane, larger N over 2, 4, 8 or 16 lanes; checkpoint intervals that do and do
+  // not align with the kernels' segments; one channel per group; no gradient on the final state.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(32);
+  for (int64_t N : {1, 5, 8, 16, 17, 32, 64, 100, 256}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N);
+    OpCase c = scan_case({2, 97, 40, 2, N, 64, true, true});
+    expect_cuda_matches_cpu(c, 1e-4, 1e-3);
+    expect_cuda_bf16_close(c);
+  }
+  for (int64_t ck : {1, 7, 16, 200})
+    for (auto [D, G] : {std::pair<int64_t, int64_t>{39, 3}, {6, 6}}) {
+      SCOPED_TRACE(::testing::Message() << "checkpoint=" << ck << " D=" << D << " G=" << G);
+      OpCase c = scan_case({3, 97, D, G, 4, ck, true, true});
+      expect_cuda_matches_cpu(c, 1e-4, 1e-3);
+      expect_cuda_bf16_close(c);
+    }
+  expect_cuda_matches_cpu(scan_case({2, 150, 24, 1, 16, 64, true, true}, /*y_only=*/true), 1e-4, 1e-3);
+}
+
+TEST(SelectiveScanCuda, LongSequence) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(33);
+  expect_cuda_matches_cpu(scan_case({1, 65537, 4, 1, 16, 64, true, true}), 1e-4, 1e-3);
+}
+
+TEST(SelectiveScanCuda, CheckpointsAreTheCpuCheckpoints) {
+  // The CUDA forward's (float32) checkpoints hold the same states as the CPU's.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(34);
+  OpCase c = scan_case({2, 300, 20, 2, 8, 7, true, true});
+  Tensors in = c.make_inputs(at::kFloat);
+  auto [y, f, ck] = selective_scan_forward(in[0], in[1], in[2], in[3], in[4], in[5], in[6], 7);
+  Tensors g = to_device(in, at::Device(at::kCUDA, 0), at::kFloat);
+  auto [yg, fg, ckg] = selective_scan_forward(g[0], g[1], g[2], g[3], g[4], g[5], g[6], 7);
+  EXPECT_EQ(ckg.scalar_type(), at::kFloat);
+  EXPECT_LE(rel_err(ckg.cpu(), ck, 1e-4 * std::max(1.0, ck.abs().max().item<double>()), 1e-3), 1.0);
+  auto [y2, f2, ck2] = selective_scan_forward(g[0], g[1], g[2], g[3], g[4], g[5], g[6], 7, /*save_checkpoints=*/false);
+  EXPECT_FALSE(ck2.defined());
+  EXPECT_TRUE(at::equal(y2, yg));
+  EXPECT_TRUE(at::equal(f2, fg));
+}
+
+TEST(SelectiveScanCuda, EmptySequenceKeepsTheState) {
+  HAX_REQUIRE_CUDA();
+  auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  at::Tensor h0 = at::randn({2, 4, 3}, o);
+  auto [y, f] = selective_scan(at::zeros({2, 0, 4}, o), at::zeros({2, 0, 4}, o), -at::ones({4, 3}, o),
+                               at::zeros({2, 0, 1, 3}, o), at::zeros({2, 0, 1, 3}, o), h0, at::Tensor());
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 0, 4}));
+  EXPECT_TRUE(at::equal(f, h0));
+}
+
+TEST(SelectiveScanCuda, GradientsAreBitIdenticalAcrossRuns) {
+  // dA, dB and dC are reduced in a fixed order (no atomics), deterministic mode or not.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(35);
+  OpCase c = scan_case({3, 1500, 70, 2, 16, 64, true, true});
+  Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kFloat);
+  Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  auto [o1, g1] = run_on_device(c.op, in, w);
+  auto [o2, g2] = run_on_device(c.op, in, w);
+  for (size_t i = 0; i < g1.size(); ++i) {
+    if (g1[i].defined()) {
+      EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
+    }
+  }
+}
+
+TEST(SelectiveScanCuda, BadInputsNameTheTensor) {
+  HAX_REQUIRE_CUDA();
+  auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  at::Tensor x = at::randn({1, 5, 6}, o), dl = at::rand({1, 5, 6}, o);
+  expect_usage_error(
+      [&] {
+        selective_scan(x, dl, -at::rand({6, 300}, o), at::randn({1, 5, 1, 300}, o), at::randn({1, 5, 1, 300}, o), {},
+                       {});
+      },
+      "the state size N = 300 (B's dim 3) exceeds the CUDA kernels' maximum 256");
+  expect_usage_error([&] { selective_scan(x, dl.cpu(), -at::rand({6, 3}, o), at::randn({1, 5, 1, 3}, o),
+                                          at::randn({1, 5, 1, 3}, o), {}, {}); },
+                     "delta is on cpu");
 }

@@ -1,10 +1,13 @@
 // Sparse attention over index lists: both kernel paths (dense tiles over a block's key union, and
-// per-query gathers) against the dense masked-softmax reference, gradients, properties, errors.
+// per-query gathers) against the dense masked-softmax reference, gradients, properties, errors; and
+// the CUDA kernels against the CPU op (float32) and the reference (bfloat16), with atomics and in
+// deterministic mode.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
 
-#include "op_harness.h"
+#include "cuda_harness.h"
 #include "ops/attention/attention.h"
 
 using namespace hax::testing;
@@ -19,6 +22,7 @@ enum class Lists {
   kCausal,  // random keys j <= i
   kWindow,  // segment s: the K keys before the (s K) most recent ones, i.e. i-(s+1)K+1 .. i-sK
   kSink,    // keys 0 and 1 (when <= i) in every list, then random keys j <= i: popular keys
+  kScattered,  // random keys j <= i drawn independently (duplicates dropped): cheap for long sequences
 };
 
 struct AttnSize {
@@ -56,6 +60,13 @@ at::Tensor make_lists(const AttnSize& s, std::mt19937& rng) {
           for (int64_t j = 2 + std::uniform_int_distribution<int64_t>(0, 3)(rng); j <= i && (int64_t)chosen.size() < s.K;
                j += 1 + std::uniform_int_distribution<int64_t>(0, i)(rng))
             chosen.push_back(j);
+        } else if (s.lists == Lists::kScattered) {
+          const int64_t avail = std::min(i + 1, s.Lk);
+          int64_t n = std::min<int64_t>(s.K, avail);
+          if (u01(rng) < 0.4) n = std::uniform_int_distribution<int64_t>(0, n)(rng);
+          for (int64_t t = 0; t < n; ++t) chosen.push_back(int32_t(std::uniform_int_distribution<int64_t>(0, avail - 1)(rng)));
+          std::sort(chosen.begin(), chosen.end());
+          chosen.erase(std::unique(chosen.begin(), chosen.end()), chosen.end());
         } else {
           const int64_t avail = s.lists == Lists::kCausal ? std::min(i + 1, s.Lk) : s.Lk;
           int64_t n = std::min<int64_t>(s.K, avail);
@@ -371,4 +382,201 @@ TEST(SparseAttention, BadInputsNameTheTensor) {
   expect_usage_error([&] { call(q, k, v, idx, bias, w, order, 0.0); }, "scale 0 must be positive");
   expect_usage_error([&] { call(q, k, v, idx, bias, w, order, -1.0); }, "scale -1 must be positive");
   expect_usage_error([&] { call(q, k, v, at::Tensor(), bias, w, order, 0.5); }, "idx is missing");
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels. Every test skips without a CUDA device.
+
+namespace {
+
+// Sets ops::deterministic() for a scope.
+struct DeterministicGuard {
+  bool before = hax::ops::deterministic();
+  explicit DeterministicGuard(bool on) { hax::ops::set_deterministic(on); }
+  ~DeterministicGuard() { hax::ops::set_deterministic(before); }
+};
+
+// The GPU sweep's case `variant` (0..3) at L queries and head dim D: the rest varies by variant.
+// 0: plain (B = H = 1, one segment, sliding windows, no bias, weights or order);
+// 1: everything (B = 2, H = 3, Lk != L, odd Dv (scalar loads), S = 3 of K = 7 random keys, bias,
+//    weights, q_order);
+// 2: Dv != D (another lane group), K = 33 (not a multiple of the group), causal lists given as
+//    (B, H, L, K), bias, q_order;
+// 3: popular keys (sinks), S = 3, weights.
+AttnSize gpu_size(int64_t L, int64_t D, int variant) {
+  switch (variant) {
+    case 0: return {1, L, L, 1, D, D, 1, 64, Lists::kWindow, false, false, false};
+    case 1: return {2, L, L + 13, 3, D, D / 2 + 3, 3, 7, Lists::kRandom, true, true, true};
+    case 2: {
+      AttnSize s{1, L, L, 3, D, D == 128 ? 96 : 2 * D, 1, 33, Lists::kCausal, true, false, true};
+      s.four_d = true;
+      return s;
+    }
+    default: return {2, L, L, 1, D, D, 3, 16, Lists::kSink, false, true, false};
+  }
+}
+
+// Two runs of the op on the GPU (float32 inputs, the same cotangents) give bit-identical outputs
+// and gradients.
+void expect_gpu_runs_identical(const OpCase& c, at::ScalarType dtype) {
+  Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), dtype);
+  Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  auto [o1, g1] = run_on_device(c.op, in, w);
+  auto [o2, g2] = run_on_device(c.op, in, w);
+  for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << c.name << ": output " << k;
+  for (size_t i = 0; i < g1.size(); ++i) {
+    if (g1[i].defined()) {
+      EXPECT_TRUE(at::equal(g1[i], g2[i])) << c.name << ": gradient " << i;
+    }
+  }
+}
+
+}  // namespace
+
+TEST(SparseAttentionCuda, MatchesCpuFloat32AndBf16) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(31);
+  for (int64_t L : {1, 63, 97, 1025})
+    for (int64_t D : {16, 32, 64, 128})
+      for (int variant = 0; variant < 4; ++variant) {
+        const AttnSize s = gpu_size(L, D, variant);
+        SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
+        expect_cuda_matches_cpu(attention_case(s), 2e-5, 1e-4);
+        expect_cuda_bf16_close(attention_case(s));
+      }
+}
+
+// Head dims off the 16/32/64/128 buckets, and very unequal D and Dv.
+TEST(SparseAttentionCuda, AnyHeadDimUpTo128) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(32);
+  const std::vector<std::pair<int64_t, int64_t>> dims = {{1, 1}, {5, 7}, {17, 16}, {100, 100}, {16, 128}, {128, 3}, {127, 128}};
+  for (const auto& [D, Dv] : dims) {
+    AttnSize s{2, 97, 120, 2, D, Dv, 2, 12, Lists::kRandom, true, true, true};
+    SCOPED_TRACE(describe(s));
+    expect_cuda_matches_cpu(attention_case(s), 2e-5, 1e-4);
+    expect_cuda_bf16_close(attention_case(s));
+  }
+}
+
+// Long lists: a segment's entries then live in the global workspace rather than in shared memory
+// (K·8 bytes per group over 48 KiB per CTA).
+TEST(SparseAttentionCuda, LongListsUseTheWorkspace) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(33);
+  for (const AttnSize& s : {AttnSize{1, 300, 400, 2, 16, 16, 2, 128, Lists::kRandom, true, true, true},
+                            AttnSize{1, 700, 700, 1, 64, 64, 1, 512, Lists::kCausal, true, false, false}}) {
+    SCOPED_TRACE(describe(s));
+    expect_cuda_matches_cpu(attention_case(s), 2e-5, 1e-4);
+    expect_cuda_bf16_close(attention_case(s));
+  }
+}
+
+TEST(SparseAttentionCuda, LongSequenceMatchesCpu) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(34);
+  for (Lists lists : {Lists::kScattered, Lists::kWindow}) {
+    AttnSize s{1, 65537, 65537, 1, 16, 16, 1, 8, lists, true, false, lists == Lists::kScattered};
+    SCOPED_TRACE(describe(s));
+    expect_cuda_matches_cpu(attention_case(s), 2e-5, 1e-4);
+  }
+}
+
+// Deterministic mode: the key pass over the entries sorted by key replaces the atomics. It matches
+// the CPU, and two runs give bit-identical gradients (popular keys included).
+TEST(SparseAttentionCuda, DeterministicModeMatchesCpuAndRepeatsBitForBit) {
+  HAX_REQUIRE_CUDA();
+  DeterministicGuard det(true);
+  torch::manual_seed(35);
+  for (int64_t L : {1, 97, 1025})
+    for (int64_t D : {16, 64, 128})
+      for (int variant : {1, 2, 3}) {
+        const AttnSize s = gpu_size(L, D, variant);
+        SCOPED_TRACE(describe(s) + " variant " + std::to_string(variant));
+        expect_cuda_matches_cpu(attention_case(s), 2e-5, 1e-4);
+        expect_cuda_bf16_close(attention_case(s));
+        expect_gpu_runs_identical(attention_case(s), at::kFloat);
+      }
+  AttnSize sinks{1, 3000, 3000, 2, 32, 32, 1, 16, Lists::kSink, true, false, true};
+  sinks.empty_frac = 0.02;
+  expect_cuda_matches_cpu(attention_case(sinks), 2e-5, 1e-4);
+  expect_gpu_runs_identical(attention_case(sinks), at::kFloat);
+  expect_gpu_runs_identical(attention_case(sinks), at::kBFloat16);
+  expect_gpu_runs_identical(attention_case(gpu_size(97, 64, 1)), at::kBFloat16);
+}
+
+// Empty queries, segments and lists, K = 0 and Lk = 0 on the GPU: zeros, never the poison.
+TEST(SparseAttentionCuda, EmptyListsAndShapes) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(36);
+  const at::Device cuda(at::kCUDA, 0);
+  for (bool det : {false, true}) {
+    DeterministicGuard guard(det);
+    hax::ops::set_poison_outputs(true);
+    auto o = at::TensorOptions().dtype(at::kFloat).device(cuda);
+    at::Tensor q = at::randn({1, 5, 2, 8}, o).requires_grad_(), k = at::randn({1, 6, 2, 8}, o).requires_grad_();
+    at::Tensor v = at::randn({1, 6, 2, 4}, o).requires_grad_(), bias = at::randn({1, 2, 6}, o).requires_grad_();
+    at::Tensor w = at::randn({1, 2, 5, 2}, o).requires_grad_();
+    at::Tensor idx = at::full({1, 2, 5, 2, 3}, -1, o.dtype(at::kInt));
+    idx[0][1][3][1][2] = 4;  // one key in the whole tensor
+    auto [out, lse] = sparse_attention(q, k, v, idx, bias, w, {}, 0.5);
+    (out.sum() + finite(lse).sum()).backward();
+    at::Tensor out_c = out.cpu(), lse_c = lse.cpu();
+    EXPECT_EQ(out_c.select(2, 0).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(out_c.select(1, 0).abs().max().item<double>(), 0.0);
+    EXPECT_NE(out_c[0][3][1].abs().max().item<double>(), 0.0);
+    EXPECT_EQ(at::isinf(lse_c).sum().item<int64_t>(), 2 * 5 * 2 - 1);
+    EXPECT_FALSE(at::isnan(q.grad()).any().item<bool>());
+    EXPECT_EQ(q.grad().cpu().select(2, 0).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(k.grad().cpu().select(2, 0).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(k.grad().cpu().narrow(1, 0, 4).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(v.grad().cpu().narrow(1, 5, 1).abs().max().item<double>(), 0.0);
+    EXPECT_FALSE(at::isnan(bias.grad()).any().item<bool>());
+    EXPECT_FALSE(at::isnan(w.grad()).any().item<bool>());
+    EXPECT_EQ(w.grad().cpu().select(1, 0).abs().max().item<double>(), 0.0);
+    // K = 0; no keys at all (Lk = 0); no queries.
+    auto [o1, l1] = sparse_attention(q, k, v, at::zeros({1, 2, 5, 0}, o.dtype(at::kInt)), {}, {}, {}, 0.5);
+    EXPECT_EQ(o1.abs().max().item<double>(), 0.0);
+    at::Tensor q2 = at::randn({1, 3, 2, 8}, o).requires_grad_();
+    auto [o2, l2] = sparse_attention(q2, at::randn({1, 0, 2, 8}, o), at::randn({1, 0, 2, 4}, o),
+                                     at::full({1, 2, 3, 4}, -1, o.dtype(at::kInt)), {}, {}, {}, 0.5);
+    o2.sum().backward();
+    EXPECT_EQ(o2.abs().max().item<double>(), 0.0);
+    EXPECT_EQ(q2.grad().abs().max().item<double>(), 0.0);
+    auto [o3, l3] = sparse_attention(at::randn({1, 0, 2, 8}, o), k, v, at::zeros({1, 2, 0, 3}, o.dtype(at::kInt)), {},
+                                      {}, {}, 0.5);
+    EXPECT_EQ(o3.sizes(), (std::vector<int64_t>{1, 0, 2, 4}));
+    hax::ops::set_poison_outputs(false);
+  }
+}
+
+TEST(SparseAttentionCuda, BadInputsNameTheTensor) {
+  HAX_REQUIRE_CUDA();
+  const at::Device cuda(at::kCUDA, 0);
+  auto o = at::TensorOptions().dtype(at::kFloat).device(cuda);
+  const int64_t B = 1, L = 6, Lk = 7, H = 2, D = 4, Dv = 3, S = 2, K = 3;
+  at::Tensor q = at::randn({B, L, H, D}, o), k = at::randn({B, Lk, H, D}, o), v = at::randn({B, Lk, H, Dv}, o);
+  at::Tensor idx = at::randint(-1, Lk, {B, H, L, S, K}, at::kInt), bias = at::randn({B, H, Lk}, o);
+  at::Tensor w = at::randn({B, H, L, S}, o), order = random_order(B, H, L);
+  auto call = [&](at::Tensor q_, at::Tensor k_, at::Tensor v_, at::Tensor idx_, at::Tensor bias_, at::Tensor w_,
+                  at::Tensor order_) { sparse_attention(q_, k_, v_, idx_, bias_, w_, order_, 0.5); };
+  call(q, k, v, idx.to(cuda), bias, w, order.to(cuda));  // valid
+  at::Tensor far = idx.clone();
+  far[0][1][4][1][2] = 7;
+  expect_usage_error([&] { call(q, k, v, far.to(cuda), bias, w, order.to(cuda)); }, "idx[b=0, h=1, i=4, s=1, k=2] = 7");
+  at::Tensor neg = idx.clone();
+  neg[0][0][2][0][0] = -2;
+  expect_usage_error([&] { call(q, k, v, neg.to(cuda), bias, w, order.to(cuda)); }, "= -2 is not a key position");
+  at::Tensor rep = order.clone();
+  rep[0][1].copy_(at::tensor({0, 1, 2, 3, 4, 4}, at::kInt));
+  expect_usage_error([&] { call(q, k, v, idx.to(cuda), bias, w, rep.to(cuda)); }, "q_order[b=0, h=1, 5] = 4");
+  at::Tensor out_of_range = order.clone();
+  out_of_range[0][0][0] = 6;
+  expect_usage_error([&] { call(q, k, v, idx.to(cuda), bias, w, out_of_range.to(cuda)); }, "must be a permutation");
+  expect_usage_error([&] { call(q, k, v, idx, bias, w, order.to(cuda)); }, "idx is on cpu");
+  expect_usage_error([&] { call(q, k, v, idx.to(cuda), bias, w, order); }, "q_order is on cpu");
+  expect_usage_error([&] { call(q, k, v, idx.to(cuda), bias.cpu(), w, order.to(cuda)); }, "bias is on cpu");
+  expect_usage_error([&] { call(q.to(at::kDouble), k, v, idx.to(cuda), bias, w, order.to(cuda)); }, "q has dtype Double");
+  at::Tensor q129 = at::randn({B, L, H, 129}, o), k129 = at::randn({B, Lk, H, 129}, o);
+  expect_usage_error([&] { call(q129, k129, v, idx.to(cuda), bias, w, order.to(cuda)); }, "must be at most 128");
 }

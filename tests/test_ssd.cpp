@@ -1,9 +1,12 @@
-// SSD scan: chunked kernel vs. the naive float64 recurrence, gradients, states, packing.
+// SSD scan: chunked kernel vs. the naive float64 recurrence, gradients, states, packing; the CUDA
+// kernels against the CPU op (float32) and the float64 recurrence (bfloat16).
+#include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/ssd/ssd.h"
 
 using namespace hax::testing;
 using hax::ops::ssd;
+using hax::ops::ssd_forward;
 using hax::ops::ssd_reference;
 
 namespace {
@@ -11,6 +14,7 @@ namespace {
 struct SsdSize {
   int64_t B, L, H, P, G, N, chunk;
   bool init, packed;
+  bool harness_packing = false;  // seq_idx from op_harness's random_packing (else random_seq_idx)
 };
 
 // Random packed sequence numbers: each row is split into random-length segments.
@@ -39,7 +43,7 @@ OpCase ssd_case(SsdSize s) {
     in.push_back((at::randn({s.B, s.L, s.G, s.N}, o) * 0.5).detach().requires_grad_());            // B
     in.push_back((at::randn({s.B, s.L, s.G, s.N}, o) * 0.5).detach().requires_grad_());            // C
     in.push_back(s.init ? at::randn({s.B, s.H, s.P, s.N}, o).requires_grad_() : at::Tensor());     // init
-    in.push_back(s.packed ? random_seq_idx(s.B, s.L) : at::Tensor());                              // seq_idx
+    in.push_back(!s.packed ? at::Tensor() : s.harness_packing ? random_packing(s.B, s.L) : random_seq_idx(s.B, s.L));
     return in;
   };
   const int64_t chunk = s.chunk;
@@ -145,4 +149,178 @@ TEST(Ssd, BadInputsNameTheTensor) {
   expect_usage_error([&] { ssd(x, dt, A.to(at::kDouble), Bm, Cm, {}, {}, 4); }, "A has dtype Double");
   at::Tensor bad_seq = at::tensor({0, 1, 0, 1, 1}, at::kInt).view({1, 5});
   expect_usage_error([&] { ssd(x, dt, A, Bm, Cm, {}, bad_seq, 4); }, "non-decreasing");
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels. Each (L, P, N) runs with one of these layouts of heads, groups, chunk, initial
+// state and packing, in turn: chunks of 16 to 256 steps (the kernels split chunks longer than 64
+// into 64-step pieces, 100 into 64 + 36), few that divide L.
+
+namespace {
+
+struct GpuVariant {
+  int64_t H, G, chunk;
+  bool init, packed;
+};
+constexpr GpuVariant kGpuVariants[] = {
+    {2, 1, 64, true, false}, {4, 2, 16, false, true}, {3, 3, 256, true, true},
+    {4, 1, 100, false, false}, {2, 2, 32, true, true}, {6, 2, 48, true, false},
+};
+
+OpCase gpu_case(int64_t L, int64_t P, int64_t N, int variant) {
+  const GpuVariant& v = kGpuVariants[variant % 6];
+  return ssd_case({2, L, v.H, P, v.G, N, v.chunk, v.init, v.packed, true});
+}
+
+std::string gpu_trace(int64_t L, int64_t P, int64_t N, int variant) {
+  const GpuVariant& v = kGpuVariants[variant % 6];
+  return fmt::format("L={} P={} N={} H={} G={} chunk={} init={} packed={}", L, P, N, v.H, v.G, v.chunk, v.init,
+                     v.packed);
+}
+
+// The case without dA: A stops requiring a gradient. dA sums over every step of every row, so
+// rounding the cotangents to bfloat16 (as a bfloat16 run receives them) moves the float64 dA by
+// up to ~1% where the sum cancels, whatever computes it; the bfloat16 dA has its own test.
+OpCase without_dA(OpCase c) {
+  auto make = c.make_inputs;
+  c.make_inputs = [make](at::ScalarType dtype) {
+    Tensors in = make(dtype);
+    in[2] = in[2].detach();
+    return in;
+  };
+  return c;
+}
+
+constexpr int64_t kGpuLengths[] = {1, 63, 64, 65, 97, 1025};
+constexpr int64_t kGpuHeadDims[] = {16, 32, 64, 128};
+constexpr int64_t kGpuStates[] = {16, 64, 128};
+
+}  // namespace
+
+TEST(SsdCuda, MatchesCpuFloat32) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(30);
+  int k = 0;
+  for (int64_t L : kGpuLengths)
+    for (int64_t P : kGpuHeadDims)
+      for (int64_t N : kGpuStates) {
+        SCOPED_TRACE(gpu_trace(L, P, N, k));
+        expect_cuda_matches_cpu(gpu_case(L, P, N, k++), 1e-4, 1e-4);
+      }
+}
+
+TEST(SsdCuda, Bfloat16CloseToFloat64Reference) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(31);
+  int k = 0;
+  for (int64_t L : kGpuLengths)
+    for (int64_t P : kGpuHeadDims) {
+      const int64_t N = kGpuStates[k % 3];
+      SCOPED_TRACE(gpu_trace(L, P, N, k));
+      expect_cuda_bf16_close(without_dA(gpu_case(L, P, N, k++)));
+    }
+}
+
+TEST(SsdCuda, Bfloat16DaMatchesReferenceOnTheSameCotangents) {
+  // dA in bfloat16 against the float64 reference given the bfloat16-rounded cotangents.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(37);
+  int k = 0;
+  for (int64_t L : {1, 65, 97, 1025})
+    for (int64_t P : {16, 64}) {
+      SCOPED_TRACE(gpu_trace(L, P, 64, k));
+      OpCase c = gpu_case(L, P, 64, k++);
+      Tensors in16 = to_device(c.make_inputs(at::kDouble), at::kCPU, at::kBFloat16);
+      Tensors ref_in = to_device(in16, at::kCPU, at::kDouble);
+      Tensors w = random_cotangents(c.reference(clone_leaves(ref_in)));
+      for (auto& t : w) t = t.to(at::kBFloat16).to(at::kDouble);
+      auto [ref_out, ref_grads] = run_on_device(c.reference, ref_in, w);
+      auto [out, grads] = run_on_device(c.op, to_device(in16, at::Device(at::kCUDA, 0), at::kBFloat16), w);
+      const at::Tensor& ref = ref_grads[2];
+      const double e = scaled_err(grads[2], ref), en = scaled_err(ref.to(at::kBFloat16).to(at::kDouble), ref);
+      EXPECT_LE(e, 2 * en + 2e-3) << "bf16 dA error " << e << " vs naive " << en;
+    }
+}
+
+TEST(SsdCuda, EmptySequenceAndOddSizes) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(32);
+  // L = 0 passes the initial state through; head dims and state sizes off the 16-grid.
+  expect_cuda_matches_cpu(ssd_case({2, 0, 2, 16, 1, 16, 64, true, false, true}), 1e-4, 1e-4);
+  expect_cuda_matches_cpu(ssd_case({3, 70, 4, 3, 2, 5, 16, true, true, true}), 1e-4, 1e-4);
+  expect_cuda_matches_cpu(ssd_case({1, 130, 2, 72, 1, 136, 64, false, true, true}), 1e-4, 1e-4);
+  expect_cuda_bf16_close(without_dA(ssd_case({3, 70, 4, 3, 2, 5, 16, true, true, true})));
+}
+
+TEST(SsdCuda, LongSequenceMatchesCpu) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(33);
+  expect_cuda_matches_cpu(ssd_case({1, 65537, 2, 16, 1, 16, 64, true, false, true}), 1e-4, 1e-4);
+}
+
+TEST(SsdCuda, ChunkStatesMatchCpuLayout) {
+  // ssd_forward's chunk_states (float32 on CUDA) hold the CPU's values in the CPU's layout.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(34);
+  for (int64_t chunk : {16, 64, 100, 256}) {
+    SCOPED_TRACE(::testing::Message() << "chunk=" << chunk);
+    Tensors in = ssd_case({2, 300, 4, 32, 2, 16, chunk, true, true, true}).make_inputs(at::kFloat);
+    auto [y, f, cst] = ssd_forward(in[0], in[1], in[2], in[3], in[4], in[5], in[6], chunk);
+    Tensors g = to_device(in, at::Device(at::kCUDA, 0), at::kFloat);
+    auto [gy, gf, gcst] = ssd_forward(g[0], g[1], g[2], g[3], g[4], g[5], g[6], chunk);
+    ASSERT_EQ(gcst.sizes(), cst.sizes());
+    EXPECT_EQ(gcst.scalar_type(), at::kFloat);
+    EXPECT_LE(rel_err(gcst.to(at::kCPU), cst, 1e-4 * std::max(1.0, cst.abs().max().item<double>()), 1e-4), 1.0);
+    EXPECT_LE(rel_err(gy.to(at::kCPU), y, 1e-4 * std::max(1.0, y.abs().max().item<double>()), 1e-4), 1.0);
+  }
+}
+
+TEST(SsdCuda, FinalStateContinuesTheScan) {
+  // On the GPU, running [0, t) then [t, L) with the first half's final state as the initial state
+  // equals one run, for chunks of one and of several 64-step pieces.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(35);
+  const int64_t L = 1000, t = 437;
+  for (int64_t chunk : {64, 256}) {
+    SCOPED_TRACE(::testing::Message() << "chunk=" << chunk);
+    Tensors in = to_device(ssd_case({2, L, 4, 32, 2, 64, chunk, true, false, true}).make_inputs(at::kFloat),
+                           at::Device(at::kCUDA, 0), at::kFloat);
+    torch::NoGradGuard no_grad;
+    auto [y, f] = ssd(in[0], in[1], in[2], in[3], in[4], in[5], at::Tensor(), chunk);
+    auto part = [&](int i, int64_t a, int64_t n) { return in[i].narrow(1, a, n); };
+    auto [y1, f1] = ssd(part(0, 0, t), part(1, 0, t), in[2], part(3, 0, t), part(4, 0, t), in[5], at::Tensor(), chunk);
+    auto [y2, f2] = ssd(part(0, t, L - t), part(1, t, L - t), in[2], part(3, t, L - t), part(4, t, L - t), f1,
+                        at::Tensor(), chunk);
+    const at::Tensor yc = at::cat({y1, y2}, 1).to(at::kCPU), yr = y.to(at::kCPU);
+    EXPECT_LE(rel_err(yc, yr, 1e-5 * std::max(1.0, yr.abs().max().item<double>()), 1e-4), 1.0);
+    const at::Tensor f2c = f2.to(at::kCPU), fr = f.to(at::kCPU);
+    EXPECT_LE(rel_err(f2c, fr, 1e-5 * std::max(1.0, fr.abs().max().item<double>()), 1e-4), 1.0);
+  }
+}
+
+TEST(SsdCuda, BackwardIsDeterministic) {
+  // No atomics: two runs give bit-identical outputs and gradients.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(36);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    OpCase c = ssd_case({2, 300, 4, 64, 2, 64, 128, true, true, true});
+    Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), dtype);
+    Tensors w = random_cotangents(c.op(clone_leaves(in)));
+    auto [o1, g1] = run_on_device(c.op, in, w);
+    auto [o2, g2] = run_on_device(c.op, in, w);
+    for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
+    for (size_t i = 0; i < g1.size(); ++i) {
+      if (g1[i].defined()) {
+        EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
+      }
+    }
+  }
+}
+
+TEST(SsdCuda, SeqIdxMustBeOnTheInputsDevice) {
+  HAX_REQUIRE_CUDA();
+  Tensors in = ssd_case({1, 10, 2, 16, 1, 16, 4, false, true, true}).make_inputs(at::kFloat);
+  at::Tensor seq_cpu = in[6];
+  Tensors g = to_device(in, at::Device(at::kCUDA, 0), at::kFloat);
+  expect_usage_error([&] { ssd(g[0], g[1], g[2], g[3], g[4], {}, seq_cpu, 4); }, "seq_idx is on");
 }

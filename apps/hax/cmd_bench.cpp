@@ -5,10 +5,13 @@
 #include <sstream>
 
 #include "bench/attention_bench.h"
+#include "bench/gpu_bench.h"
+#include "bench/train_bench.h"
 #include "bench/ssm_bench.h"
 #include "commands.h"
 #include "config_file.h"
 #include "core/atomic_file.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/threads.h"
 #include "options.h"
@@ -21,7 +24,8 @@ Command add_bench_command(CLI::App& app) {
   auto* ssm = sub->add_subcommand("ssm", "Mamba / Mamba-2 mixers and the SSD scan: forward and forward+backward");
   struct State {
     bench::SsmBenchConfig cfg;
-    std::string lengths = "1k,4k,16k", json = "bench-ssm.json", device = "cpu";
+    bench::GpuSsmBenchConfig gpu;
+    std::string lengths = "", json = "bench-ssm.json", device = "cpu";
     int threads = 0;
   };
   auto st = std::make_shared<State>();
@@ -35,14 +39,19 @@ Command add_bench_command(CLI::App& app) {
   ssm->add_option("--naive-max-len", st->cfg.naive_max_len, "longest L for the naive recurrence");
   ssm->add_option("--repeats", st->cfg.repeats, "timed runs per measurement");
   ssm->add_option("--json", st->json, "JSON output file");
-  ssm->add_option("--device", st->device, "cpu");
+  ssm->add_option("--device", st->device,
+                  "cpu, or cuda: the SSD scan alone at --gpu-heads heads x --headdim, d_state --d-state, bf16 by "
+                  "default, lengths 4k..256k unless --lengths is given");
+  ssm->add_option("--dtype", st->gpu.dtype, "GPU runs: bf16 or fp32");
+  ssm->add_option("--gpu-heads", st->gpu.heads, "GPU runs: heads of the SSD scan");
   add_threads_option(ssm, &st->threads);
   auto* attn = sub->add_subcommand("attention",
                                    "every sparse pattern (pattern building included) beside full causal attention: "
                                    "forward, forward+backward and peak memory");
   struct AttnState {
     bench::AttentionBenchConfig cfg;
-    std::string patterns = "sw,d,sw+d,a,lsh,ks,hax,dma,hsa,full", lengths = "1k,4k,16k,64k", dims = "32,64";
+    bench::GpuAttentionBenchConfig gpu;
+    std::string patterns = "", lengths = "", dims = "32,64";
     std::string json = "bench-attention.json", device = "cpu";
     int threads = 0;
   };
@@ -51,39 +60,99 @@ Command add_bench_command(CLI::App& app) {
   attn->add_option("--lengths", at_st->lengths, "sequence lengths, e.g. 1k,4k,16k,64k");
   attn->add_option("--dims", at_st->dims, "head dims");
   attn->add_option("--keys", at_st->cfg.keys, "k: keys per query");
-  attn->add_option("--heads", at_st->cfg.heads, "heads");
+  auto* heads_opt = attn->add_option("--heads", at_st->cfg.heads, "heads (CPU default 1, GPU default 16)");
   attn->add_option("--repeats", at_st->cfg.repeats, "timed runs per measurement");
   attn->add_option("--json", at_st->json, "JSON output file");
-  attn->add_option("--device", at_st->device, "cpu");
+  attn->add_option("--device", at_st->device,
+                   "cpu, or cuda: batch 1, --heads (16 on GPU unless given) x head dim --dims (64), bf16, lengths "
+                   "4k..256k unless --lengths is given, beside LibTorch's dense causal SDPA");
+  attn->add_option("--dtype", at_st->gpu.dtype, "GPU runs: bf16 or fp32");
   add_threads_option(attn, &at_st->threads);
   Command c;
   c.app = sub;
-  c.run = [st, at_st, attn]() {
+  auto* tr = sub->add_subcommand("train",
+                                 "training steps/s of the paper's joint-recall models (batch 64, 1057 tokens): "
+                                 "forward, ranking loss, backward, clipping, AdamW");
+  struct TrainState {
+    bench::TrainBenchConfig cfg;
+    std::string variants = "mamba2+base,mamba2+hax", json = "bench-train.json";
+    int threads = 0;
+  };
+  auto tr_st = std::make_shared<TrainState>();
+  tr->add_option("--variants", tr_st->variants, "Table 1 variants, e.g. mamba2+base,mamba2+hax");
+  tr->add_option("--device", tr_st->cfg.device, "cpu, cuda or auto");
+  tr->add_option("--precision", tr_st->cfg.precision, "fp32 or bf16 (autocast, CUDA only)");
+  tr->add_option("--batch", tr_st->cfg.batch, "samples per step");
+  tr->add_option("--steps", tr_st->cfg.steps, "timed steps");
+  tr->add_option("--warmup", tr_st->cfg.warmup, "untimed steps first");
+  tr->add_option("--sparse-keys", tr_st->cfg.sparse_keys, "k of the sparse variants");
+  tr->add_option("--json", tr_st->json, "JSON output file");
+  add_threads_option(tr, &tr_st->threads);
+  c.run = [st, at_st, attn, tr, tr_st, heads_opt]() {
+    if (tr->parsed()) {
+      auto& cfg = tr_st->cfg;
+      cfg.variants = split_list(tr_st->variants);
+      HAX_CHECK(!cfg.variants.empty(), "--variants is empty; name at least one Table 1 variant");
+      HAX_CHECK(cfg.batch > 0, "--batch {} must be positive", cfg.batch);
+      HAX_CHECK(cfg.steps > 0, "--steps {} must be positive", cfg.steps);
+      HAX_CHECK(cfg.warmup >= 0, "--warmup {} must be non-negative", cfg.warmup);
+      set_threads(tr_st->threads);
+      nlohmann::json report = bench::run_train_bench(cfg);
+      write_file_atomic(tr_st->json, report.dump(2) + "\n");
+      fmt::print("wrote {}\n", tr_st->json);
+      return kExitOk;
+    }
     if (attn->parsed()) {
-      HAX_CHECK(at_st->device == "cpu", "--device {}: this build of hax benchmarks the CPU only", at_st->device);
+      const at::Device dev = resolve_device(at_st->device);
       auto& cfg = at_st->cfg;
-      cfg.lengths = parse_size_list(at_st->lengths, "--lengths");
-      cfg.dims = parse_size_list(at_st->dims, "--dims");
-      cfg.patterns.clear();
-      std::stringstream ss(at_st->patterns);
-      std::string p;
-      const std::vector<std::string> known = {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "dma", "hsa", "full"};
-      while (std::getline(ss, p, ',')) {
+      std::vector<std::string> known = {"sw", "d", "sw+d", "a", "lsh", "ks", "hax", "dma", "hsa", "full"};
+      if (dev.is_cuda()) known.push_back("sdpa");
+      std::vector<std::string> patterns;
+      for (const auto& p : split_list(at_st->patterns.empty() ? (dev.is_cuda() ? "sdpa,full,sw,d,sw+d,a,lsh,ks,hax,dma,hsa"
+                                                                               : "sw,d,sw+d,a,lsh,ks,hax,dma,hsa,full")
+                                                             : at_st->patterns)) {
         HAX_CHECK(std::find(known.begin(), known.end(), p) != known.end(),
-                  "--patterns: `{}` is unknown; choose among sw, d, sw+d, a, lsh, ks, hax, dma, hsa, full", p);
-        cfg.patterns.push_back(p);
+                  "--patterns: `{}` is unknown; choose among sw, d, sw+d, a, lsh, ks, hax, dma, hsa, full{}", p,
+                  dev.is_cuda() ? ", sdpa" : " (and sdpa with --device cuda)");
+        patterns.push_back(p);
       }
       HAX_CHECK(cfg.keys > 0, "--keys {} must be positive", cfg.keys);
       HAX_CHECK(cfg.heads > 0, "--heads {} must be positive", cfg.heads);
       HAX_CHECK(cfg.repeats > 0, "--repeats {} must be positive", cfg.repeats);
+      if (dev.is_cuda()) {
+        auto& g = at_st->gpu;
+        g.patterns = patterns;
+        if (!at_st->lengths.empty()) g.lengths = parse_size_list(at_st->lengths, "--lengths");
+        const auto dims = parse_size_list(at_st->dims == "32,64" ? "64" : at_st->dims, "--dims");
+        HAX_CHECK(dims.size() == 1, "--dims {}: GPU runs take one head dim", at_st->dims);
+        g.dim = dims[0], g.keys = cfg.keys, g.repeats = std::max(cfg.repeats, 20);
+        if (heads_opt->count()) g.heads = cfg.heads;
+        nlohmann::json report = bench::run_attention_bench_cuda(g);
+        write_file_atomic(at_st->json, report.dump(2) + "\n");
+        fmt::print("wrote {}\n", at_st->json);
+        return kExitOk;
+      }
+      cfg.patterns = patterns;
+      cfg.lengths = parse_size_list(at_st->lengths.empty() ? "1k,4k,16k,64k" : at_st->lengths, "--lengths");
+      cfg.dims = parse_size_list(at_st->dims, "--dims");
       set_threads(at_st->threads);
       nlohmann::json report = bench::run_attention_bench(cfg);
       write_file_atomic(at_st->json, report.dump(2) + "\n");
       fmt::print("wrote {}\n", at_st->json);
       return kExitOk;
     }
-    HAX_CHECK(st->device == "cpu", "--device {}: this build of hax benchmarks the CPU only", st->device);
-    st->cfg.lengths = parse_size_list(st->lengths, "--lengths");
+    if (resolve_device(st->device).is_cuda()) {
+      auto& g = st->gpu;
+      if (!st->lengths.empty()) g.lengths = parse_size_list(st->lengths, "--lengths");
+      g.batch = st->cfg.batch, g.headdim = st->cfg.headdim, g.chunk = st->cfg.chunk;
+      g.d_state = st->cfg.d_state_mamba2 == bench::SsmBenchConfig{}.d_state_mamba2 ? 128 : st->cfg.d_state_mamba2;
+      g.repeats = std::max(st->cfg.repeats, 20);
+      nlohmann::json report = bench::run_ssm_bench_cuda(g);
+      write_file_atomic(st->json, report.dump(2) + "\n");
+      fmt::print("wrote {}\n", st->json);
+      return kExitOk;
+    }
+    st->cfg.lengths = parse_size_list(st->lengths.empty() ? "1k,4k,16k" : st->lengths, "--lengths");
     HAX_CHECK(st->cfg.batch > 0, "--batch {} must be positive", st->cfg.batch);
     HAX_CHECK(st->cfg.repeats > 0, "--repeats {} must be positive", st->cfg.repeats);
     set_threads(st->threads);

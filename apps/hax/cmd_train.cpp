@@ -1,4 +1,6 @@
 // hax train: train a model on a task (the README's main job with no arguments).
+#include "core/cuda_util.h"
+#include "core/device.h"
 #include <fmt/format.h>
 
 #include "commands.h"
@@ -21,9 +23,12 @@ Command add_train_command(CLI::App& app) {
     st->validate();
     set_threads(st->train.threads);
     RunConfig run{st->model, st->task, st->train, resolved_config(*sub, *st)};
-    fmt::print("hax train: {} model, {} layers, d_model {}, task {}, {} steps of batch {} on {} thread(s); run dir {}\n",
+    const at::Device device = resolve_device(run.train.device);
+    const std::string where = device.is_cuda() ? fmt::format("{} ({}, {})", device.str(), cuda_device_name(), run.train.precision)
+                                               : fmt::format("the CPU, {} thread(s)", at::get_num_threads());
+    fmt::print("hax train: {} model, {} layers, d_model {}, task {}, {} steps of batch {} on {}; run dir {}\n",
                run.model.mixer, run.model.n_layers, run.model.d_model, run.task.name, run.train.steps,
-               run.train.batch_size, at::get_num_threads(), run.train.run_dir);
+               run.train.batch_size, where, run.train.run_dir);
     std::fflush(stdout);
     TrainSummary s = train(run);
     if (s.interrupted) {

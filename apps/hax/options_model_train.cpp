@@ -61,7 +61,10 @@ void add_train_options(CLI::App* app, TrainConfig* t) {
   app->add_option("--run-dir", t->run_dir, "run directory (config, metrics, checkpoints)")->group(g);
   app->add_option("--seed", t->seed, "seed of model init, data and splits")->group(g);
   app->add_option("--threads", t->threads, "CPU threads (0 = all cores)")->group(g);
-  app->add_option("--device", t->device, "cpu, cuda or auto")->group(g);
+  app->add_option("--device", t->device, "cpu, cuda (cuda:N) or auto (cuda when a GPU is present)")->group(g);
+  app->add_option("--precision", t->precision, "fp32, or bf16 (autocast on CUDA; float32 weights)")->group(g);
+  app->add_flag("--deterministic,!--no-deterministic", t->deterministic,
+                "CUDA: fixed-order backward reductions (bit-identical reruns)")->group(g);
   app->add_option("--steps", t->steps, "optimizer steps")->group(g);
   app->add_option("--batch-size", t->batch_size, "samples per step")->group(g);
   app->add_option("--lr", t->lr, "peak learning rate")->group(g);

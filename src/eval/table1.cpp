@@ -76,6 +76,11 @@ ModelConfig variant_model(const std::string& base, const std::string& v, const T
 
 }  // namespace
 
+ModelConfig table1_model(const std::string& variant, const Table1Config& cfg) {
+  auto [base, v] = split_variant(variant);
+  return variant_model(base, v, cfg);
+}
+
 std::vector<std::string> table1_variants() {
   std::vector<std::string> out;
   for (const char* base : {"mamba", "mamba2"})

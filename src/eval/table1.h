@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "models/model_config.h"
 #include "tasks/task_config.h"
 
 namespace hax {
@@ -27,6 +28,10 @@ struct Table1Config {
   std::string command;                // the command line that produced the table (written into it)
   int threads = 0;
 };
+
+// The paper's model of a Table 1 variant ("mamba2+hax", "mamba+base", "samba", ...) with cfg's
+// sparse_keys and chunk_size.
+ModelConfig table1_model(const std::string& variant, const Table1Config& cfg);
 
 // The names of the whole grid, in the table's order.
 std::vector<std::string> table1_variants();

@@ -80,7 +80,7 @@ HierarchicalSparseAttention::HierarchicalSparseAttention(int64_t d_in, int64_t d
 std::pair<at::Tensor, at::Tensor> HierarchicalSparseAttention::select(const at::Tensor& qr, const at::Tensor& lm,
                                                                       const at::Tensor& lo, const at::Tensor& hi) {
   const int64_t B = qr.size(0), Lq = qr.size(1), NC = lm.size(1);
-  const at::Tensor chunks = patterns::top_k_chunks(qr, lm, lo, hi, topk_);  // (B, Lq, k)
+  const at::Tensor chunks = patterns::top_k_chunks(qr, lm, lo, hi, topk_).to(qr.device());  // (B, Lq, k)
   if (NC == 0) return {chunks, at::zeros({B, Lq, topk_}, qr.options())};
   const at::Tensor valid = chunks >= 0;
   const at::Tensor c = chunks.to(at::kLong).clamp_min(0).view({B, Lq * topk_, 1}).expand({B, Lq * topk_, d_ret_});

@@ -5,6 +5,7 @@
 
 #include "ops/conv1d/conv1d.h"
 #include "ops/selective_scan/selective_scan.h"
+#include "ops/ssm_step/ssm_step.h"
 
 namespace hax {
 
@@ -77,15 +78,20 @@ MixerState MambaMixer::zero_state(int64_t batch, const at::TensorOptions& opts) 
 at::Tensor MambaMixer::step(const at::Tensor& x, MixerState& st, const ForwardContext* ctx) {
   at::Tensor xz = project(in_proj, x);
   at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
-  at::Tensor window = at::cat({st.conv, xin.unsqueeze(1)}, 1);  // (B, W, d_inner)
-  at::Tensor xc = at::silu((window * conv_weight.view({d_inner_, W_}).t().unsqueeze(0)).sum(1) + conv_bias);
-  st.conv = window.narrow(1, 1, W_ - 1).contiguous();
+  // The fused steps update the states in place: contiguous, the conv window in x's dtype, the SSM
+  // state in x's dtype or float32.
+  const auto dtype = xin.scalar_type();
+  if (!st.conv.is_contiguous() || st.conv.scalar_type() != dtype) st.conv = st.conv.to(dtype).contiguous();
+  if (!st.ssm.is_contiguous() || (st.ssm.scalar_type() != dtype && st.ssm.scalar_type() != at::kFloat))
+    st.ssm = st.ssm.to(dtype).contiguous();
+  // Causal conv + SiLU over the window [last W-1 inputs, this input]; the window rolls.
+  at::Tensor xc = ops::conv1d_step(xin, st.conv, conv_weight.view({d_inner_, W_}), conv_bias, /*silu=*/true);
   at::Tensor xdbl = project(x_proj, xc);
-  at::Tensor delta = at::softplus(project(dt_proj, xdbl.narrow(-1, 0, R_)));  // (B, d_inner)
-  at::Tensor Bm = xdbl.narrow(-1, R_, N_), Cm = xdbl.narrow(-1, R_ + N_, N_);  // (B, N)
-  at::Tensor decay = at::exp(delta.unsqueeze(-1) * -at::exp(A_log));         // (B, d_inner, N)
-  st.ssm = st.ssm * decay + (delta * xc).unsqueeze(-1) * Bm.unsqueeze(1);
-  at::Tensor y = (st.ssm * Cm.unsqueeze(1)).sum(-1) + xc * D;
+  at::Tensor dt = project(dt_proj, xdbl.narrow(-1, 0, R_));  // (B, d_inner), before the softplus
+  at::Tensor Bm = xdbl.narrow(-1, R_, N_).unsqueeze(1), Cm = xdbl.narrow(-1, R_ + N_, N_).unsqueeze(1);  // (B, 1, N)
+  // delta = softplus(dt); state = exp(delta A) state + delta x B (B, d_inner, N); y = state C + D x.
+  at::Tensor y = ops::selective_scan_step(xc, dt, -at::exp(A_log), Bm, Cm, D, at::Tensor(), /*delta_softplus=*/true,
+                                          st.ssm);
   if (sparse) y = y + sparse->step(xc, xc, st, ctx);
   st.pos += 1;
   return project(out_proj, y * at::silu(z));

@@ -6,6 +6,7 @@
 #include "ops/conv1d/conv1d.h"
 #include "ops/rmsnorm/rmsnorm.h"
 #include "ops/ssd/ssd.h"
+#include "ops/ssm_step/ssm_step.h"
 
 namespace hax {
 
@@ -89,18 +90,21 @@ MixerState Mamba2Mixer::zero_state(int64_t batch, const at::TensorOptions& opts)
 at::Tensor Mamba2Mixer::step(const at::Tensor& x, MixerState& st, const ForwardContext* ctx) {
   const int64_t B = x.size(0);
   Projected pr = project_input(x);  // (B, ·)
-  // Causal conv over the window [last W-1 inputs, this input].
-  at::Tensor window = at::cat({st.conv, pr.xBC.unsqueeze(1)}, 1);  // (B, W, C)
-  at::Tensor xBC = at::silu((window * conv_weight.view({conv_dim(), W_}).t().unsqueeze(0)).sum(1) + conv_bias);
-  st.conv = window.narrow(1, 1, W_ - 1).contiguous();
+  // The fused steps update the states in place: contiguous, the conv window in x's dtype, the SSM
+  // state in x's dtype or float32.
+  const auto dtype = pr.xBC.scalar_type();
+  if (!st.conv.is_contiguous() || st.conv.scalar_type() != dtype) st.conv = st.conv.to(dtype).contiguous();
+  if (!st.ssm.is_contiguous() || (st.ssm.scalar_type() != dtype && st.ssm.scalar_type() != at::kFloat))
+    st.ssm = st.ssm.to(dtype).contiguous();
+  // Causal conv + SiLU over the window [last W-1 inputs, this input]; the window rolls.
+  at::Tensor xBC = ops::conv1d_step(pr.xBC, st.conv, conv_weight.view({conv_dim(), W_}), conv_bias, /*silu=*/true);
   at::Tensor xflat = xBC.narrow(-1, 0, d_inner_);
   at::Tensor xs = xflat.view({B, H_, P_});
-  at::Tensor Bm = xBC.narrow(-1, d_inner_, G_ * N_).view({B, G_, 1, N_}).repeat_interleave(H_ / G_, 1);
-  at::Tensor Cm = xBC.narrow(-1, d_inner_ + G_ * N_, G_ * N_).view({B, G_, 1, N_}).repeat_interleave(H_ / G_, 1);
-  at::Tensor dt = at::softplus(pr.dt + dt_bias);  // (B, H)
-  at::Tensor decay = at::exp(dt * -at::exp(A_log)).view({B, H_, 1, 1});
-  st.ssm = st.ssm * decay + (dt.unsqueeze(-1) * xs).unsqueeze(-1) * Bm;  // (B, H, P, N)
-  at::Tensor y = ((st.ssm * Cm).sum(-1) + xs * D.view({1, H_, 1})).reshape({B, d_inner_});
+  at::Tensor Bm = xBC.narrow(-1, d_inner_, G_ * N_).view({B, G_, N_});
+  at::Tensor Cm = xBC.narrow(-1, d_inner_ + G_ * N_, G_ * N_).view({B, G_, N_});
+  // dt = softplus(dt_raw + dt_bias); state = exp(dt A) state + dt x B^T (B, H, P, N); y = state C + D x.
+  at::Tensor y = ops::ssd_step(xs, pr.dt, -at::exp(A_log), Bm, Cm, D, dt_bias, /*dt_softplus=*/true, st.ssm)
+                     .reshape({B, d_inner_});
   if (sparse) y = y + sparse->step(qk_input(xBC), xflat, st, ctx);
   y = ops::rmsnorm(y, pr.z, norm_weight, eps_, d_inner_ / G_);
   st.pos += 1;

@@ -43,12 +43,12 @@ patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const a
   patterns::KeyLists all;
   for (const auto& part : parts_) {
     patterns::KeyLists p;
-    if (part == "sw") p = patterns::sliding_window(B, H_, L, keys_per_part_, seq_idx);
-    else if (part == "sink") p = patterns::sink(B, H_, L, keys_per_part_, seq_idx);
-    else if (part == "d") p = patterns::dilated(B, H_, L, keys_per_part_, stride_, seq_idx);
+    if (part == "sw") p = patterns::sliding_window(B, H_, L, keys_per_part_, seq_idx, q.device());
+    else if (part == "sink") p = patterns::sink(B, H_, L, keys_per_part_, seq_idx, q.device());
+    else if (part == "d") p = patterns::dilated(B, H_, L, keys_per_part_, stride_, seq_idx, q.device());
     else if (part == "lsh") {
       torch::NoGradGuard ng;
-      p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, lsh_projection(ctx).to(q.scalar_type()), binning_,
+      p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, lsh_projection(ctx).to(q.device(), q.scalar_type()), binning_,
                         seq_idx);
     } else if (part == "ks") {
       at::Tensor scores = ks_scores && ks_scores->defined() ? *ks_scores : scorer->forward(k, q, seq_idx);  // (B, L, H)
@@ -86,7 +86,7 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
   if (ctx && ctx->record) {
     PatternRecord rec{lists, {}, {}, scores.defined() ? scores.detach() : scores};
     if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {
-      at::Tensor proj = lsh_projection(ctx).to(q.scalar_type());
+      at::Tensor proj = lsh_projection(ctx).to(q.device(), q.scalar_type());
       rec.q_bucket = patterns::lsh_buckets(q.detach(), proj, binning_, seq_idx);
       rec.k_bucket = patterns::lsh_buckets(k.detach(), proj, binning_, seq_idx);
     }
@@ -126,7 +126,7 @@ at::Tensor SparseAttentionBranch::step(const at::Tensor& qk_in, const at::Tensor
     idx = patterns::top_k_prefix(st.key_scores, keys_per_part_, {}).idx.narrow(2, t, 1);
     bias = st.key_scores.permute({0, 2, 1}).contiguous();
   } else if (kind_ == "full") {
-    idx = at::arange(t + 1, at::TensorOptions().dtype(at::kInt)).view({1, 1, 1, t + 1}).expand({B, H_, 1, t + 1});
+    idx = at::arange(t + 1, at::TensorOptions().dtype(at::kInt).device(v.device())).view({1, 1, 1, t + 1}).expand({B, H_, 1, t + 1});
   } else {
     at::Tensor scores;
     if (scorer) {

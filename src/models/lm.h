@@ -49,6 +49,8 @@ class LanguageModel : public torch::nn::Module {
   at::Tensor step(const at::Tensor& ids, std::vector<MixerState>& states, const ForwardContext* ctx = nullptr);
 
   const ModelConfig& config() const { return cfg_; }
+  // The device of the model's parameters.
+  at::Device device() const { return norm_f.device(); }
   // name -> parameter, in a stable order (the names of the safetensors file).
   std::map<std::string, at::Tensor> state_tensors();
 

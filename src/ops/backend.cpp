@@ -6,6 +6,9 @@
 
 #include "core/error.h"
 
+#include <ATen/autocast_mode.h>
+#include <torch/version.h>
+
 #if defined(HAX_TORCH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -68,6 +71,28 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 }
 
 at::Tensor new_output_like(const at::Tensor& t) { return new_output(t.sizes(), t.options()); }
+
+bool cuda_autocast_enabled() {
+#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 4 || TORCH_VERSION_MAJOR > 2
+  return at::autocast::is_autocast_enabled(at::kCUDA);
+#else
+  return at::autocast::is_enabled();
+#endif
+}
+
+bool autocast_cast_needed(std::initializer_list<at::Tensor> ts) {
+  bool any_cuda = false, any_other = false;
+  for (const at::Tensor& t : ts) {
+    if (!t.defined() || !at::isFloatingType(t.scalar_type())) continue;
+    any_cuda = any_cuda || t.is_cuda();
+    any_other = any_other || t.scalar_type() != at::kBFloat16;
+  }
+  return any_cuda && any_other && cuda_autocast_enabled();
+}
+
+at::Tensor autocast_cast(const at::Tensor& t) {
+  return t.defined() && at::isFloatingType(t.scalar_type()) ? t.to(at::kBFloat16) : t;
+}
 
 void set_deterministic(bool on) { g_deterministic.store(on); }
 bool deterministic() { return g_deterministic.load(); }

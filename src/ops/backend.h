@@ -4,6 +4,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <initializer_list>
+
 #include "ops/kernel_dtype.h"
 
 namespace hax::ops {
@@ -35,6 +37,14 @@ bool poison_outputs();
 // CPU kernels are always deterministic.
 void set_deterministic(bool on);
 bool deterministic();
+
+// Mixed precision (hax train --precision bf16): whether LibTorch's autocast is on for CUDA now.
+bool cuda_autocast_enabled();
+// Under autocast on CUDA, hax's ops take every float input in bfloat16 (the kernels accumulate in
+// float32): true when one of `ts` is a CUDA float tensor of another dtype, which the op's public
+// function then casts with autocast_cast and calls itself again.
+bool autocast_cast_needed(std::initializer_list<at::Tensor> ts);
+at::Tensor autocast_cast(const at::Tensor& t);  // bfloat16 copy of a float tensor (others unchanged)
 
 // The error for a CUDA tensor in a build without the CUDA kernels.
 [[noreturn]] void no_cuda_kernels(const char* op, const at::Tensor& t);

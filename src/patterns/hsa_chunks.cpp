@@ -4,6 +4,8 @@
 // top_k_chunks takes the queries that may retrieve the same chunks (those of one chunk of one
 // sequence) as a block: their scores against those chunks' landmarks are one small matrix
 // product (block x chunks), and each query keeps its k best. Memory per block, never L x NC.
+// On CUDA: chunk_layout by LibTorch ops and top_k_chunks by cuda/top_k_chunks.cu (cuda_paths.cpp);
+// chunk_lists is LibTorch ops on any device.
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -69,11 +71,16 @@ void top_k_chunks_kernel(const at::Tensor& q, const at::Tensor& lm, const int32_
 
 }  // namespace
 
-ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq_idx) {
+ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq_idx,
+                         std::optional<at::Device> device) {
   constexpr const char* kOp = "chunk_layout";
   detail::check_sizes(kOp, B, 1, L);
   detail::check_positive(kOp, "chunk", chunk);
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L).cpu();
+  const at::Device dev = detail::list_device(seq_idx, device);
+  detail::check_list_device(kOp, dev);
+  if (dev.is_cuda())
+    return detail::chunk_layout_device(B, L, chunk, ops::check_seq_idx(kOp, detail::on(seq_idx, dev), B, L), dev);
+  const at::Tensor seq = detail::on(ops::check_seq_idx(kOp, seq_idx, B, L), at::kCPU);
   std::vector<std::vector<int32_t>> starts(B);
   at::Tensor lo = at::empty({B, L}, at::TensorOptions().dtype(at::kInt));
   at::Tensor hi = at::empty({B, L}, at::TensorOptions().dtype(at::kInt));
@@ -90,8 +97,7 @@ ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& 
   at::Tensor start = at::full({B, NC}, -1, at::TensorOptions().dtype(at::kInt));
   for (int64_t b = 0; b < B; ++b)
     std::copy(starts[b].begin(), starts[b].end(), start.data_ptr<int32_t>() + b * NC);
-  const at::Device dev = detail::result_device(seq_idx);
-  return {chunk, detail::on(start, dev), detail::on(lo, dev), detail::on(hi, dev)};
+  return {chunk, start, lo, hi};
 }
 
 at::Tensor top_k_chunks(const at::Tensor& q_ret0, const at::Tensor& landmarks0, const at::Tensor& lo0,
@@ -113,6 +119,7 @@ at::Tensor top_k_chunks(const at::Tensor& q_ret0, const at::Tensor& landmarks0, 
               "{}: {} must be an int32 (B, L) = ({}, {}) tensor, got {}", kOp, name, B, L,
               t->defined() ? fmt::format("{} {}", c10::toString(t->scalar_type()), ops::shape_str(t->sizes())) : std::string("undefined"));
   }
+  if (q_ret0.is_cuda()) return detail::top_k_chunks_device(q_ret0, landmarks0, lo0, hi0, k);
   const at::Tensor q = q_ret0.detach().to(at::kCPU).contiguous();
   const at::Tensor lm = landmarks0.detach().to(at::kCPU).contiguous();
   const at::Tensor lo = lo0.to(at::kCPU).contiguous(), hi = hi0.to(at::kCPU).contiguous();
@@ -139,7 +146,8 @@ at::Tensor chunk_lists(const at::Tensor& chunks, const at::Tensor& start, int64_
   // position = start[chunk] + t, or -1 for a missing chunk.
   const at::Tensor c = chunks.to(at::kLong);
   if (start.size(1) == 0) return at::full({B, H, L, k, chunk}, -1, chunks.options().dtype(at::kInt));
-  const at::Tensor first = at::gather(start.to(at::kLong), 1, c.clamp_min(0).view({B, L * k})).view({B, L, k, 1});
+  const at::Tensor first =
+      at::gather(start.to(c.device(), at::kLong), 1, c.clamp_min(0).view({B, L * k})).view({B, L, k, 1});
   const at::Tensor t = at::arange(chunk, c.options()).view({1, 1, 1, chunk});
   at::Tensor pos = at::where(c.unsqueeze(-1) >= 0, first + t, at::full({}, -1, c.options()));
   return pos.to(at::kInt).unsqueeze(1).expand({B, H, L, k, chunk}).contiguous();

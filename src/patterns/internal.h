@@ -1,16 +1,19 @@
 // Shared plumbing of the pattern builders (not part of the public API): argument checks, the
-// packed-sequence segments of a row, and the -1-filled output lists.
+// packed-sequence segments of a row, the -1-filled output lists, and the device the lists go to.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "core/error.h"
+#include "ops/backend.h"
 #include "ops/check.h"
+#include "patterns/cuda_paths.h"
 
 namespace hax::patterns::detail {
 
@@ -56,6 +59,23 @@ inline at::Tensor empty_lists(int64_t B, int64_t H, int64_t L, int64_t K) {
 // The device the result of a builder whose only tensor argument is seq_idx goes to.
 inline at::Device result_device(const at::Tensor& like) { return like.defined() ? like.device() : at::Device(at::kCPU); }
 
+// The device of the lists of a builder that takes only sizes and seq_idx: `device` when given,
+// else seq_idx's, else the CPU.
+inline at::Device list_device(const at::Tensor& seq_idx, const std::optional<at::Device>& device) {
+  return device ? *device : result_device(seq_idx);
+}
+
+// Lists are built on the CPU, or on a CUDA device by a build with the CUDA backend.
+inline void check_list_device(const char* op, const at::Device& device) {
+  if (device.is_cpu()) return;
+  HAX_CHECK(device.is_cuda(), "{}: the lists were asked for on {}; hax builds them on the CPU and on CUDA devices only",
+            op, device.str());
+  HAX_CHECK(ops::cuda_backend_built(),
+            "{}: the lists were asked for on {}, but this build of hax has no CUDA kernels (configure it where nvcc "
+            "and a CUDA-enabled LibTorch are found, or with -DHAX_CUDA=ON to require them)",
+            op, device.str());
+}
+
 // Lists built on the CPU, moved to `device`.
 inline at::Tensor on(const at::Tensor& t, at::Device device) {
   return (!t.defined() || t.device() == device) ? t : t.to(device);
@@ -76,16 +96,20 @@ void for_each_row(int64_t B, int64_t H, int64_t L, const at::Tensor& seq, int64_
 // The lists of a pattern whose keys for query i are an arithmetic progression within i's packed
 // sequence [s, e): keys(s, i) returns {first, count, step} (count <= k), the list being first,
 // first + step, ...; the same for every (b, h). Checks B, H, L, k and seq_idx and builds the
-// (B, H, L, k) lists on seq_idx's device. SW, sink and dilated are such patterns.
+// (B, H, L, k) lists on list_device(seq_idx, device): on a CUDA device the kernel of `kind`
+// (stride: the dilation) computes the same formulas. SW, sink and dilated are such patterns.
 struct Progression {
   int64_t first, count, step;
 };
 template <class F>
-at::Tensor progression_lists(const char* op, int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx,
-                             F&& keys) {
+at::Tensor progression_lists(const char* op, ProgressionKind kind, int64_t stride, int64_t B, int64_t H, int64_t L,
+                             int64_t k, const at::Tensor& seq_idx, const std::optional<at::Device>& device, F&& keys) {
   check_sizes(op, B, H, L);
   check_positive(op, "k", k);
-  const at::Tensor seq = ops::check_seq_idx(op, seq_idx, B, L);
+  const at::Device dev = list_device(seq_idx, device);
+  check_list_device(op, dev);
+  const at::Tensor seq = ops::check_seq_idx(op, on(seq_idx, dev), B, L);
+  if (dev.is_cuda()) return progression_lists_device(kind, B, H, L, k, stride, seq, dev);
   at::Tensor idx = empty_lists(B, H, L, k);
   int32_t* out = idx.data_ptr<int32_t>();
   for_each_row(B, H, L, seq, L * k, [&](int64_t b, int64_t h, const auto& segs) {
@@ -97,7 +121,7 @@ at::Tensor progression_lists(const char* op, int64_t B, int64_t H, int64_t L, in
         for (int64_t t = 0; t < pr.count; ++t) dst[t] = (int32_t)(pr.first + t * pr.step);
       }
   });
-  return on(idx, result_device(seq_idx));
+  return idx;
 }
 
 }  // namespace hax::patterns::detail

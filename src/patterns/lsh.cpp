@@ -2,6 +2,7 @@
 // Gaussian projection, sign-bit or argmax binning), then let every query see the most recent keys
 // of its bucket. The keys are sorted by (bucket, position) per sequence, so each query's keys are
 // one contiguous slice of that order, found by binary search: O(L log L + L·k), never all pairs.
+// CUDA inputs: the same steps on the GPU (cuda/lsh_buckets.cu, cuda/lsh_lists.cu, cuda_paths.cpp).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -156,7 +157,12 @@ at::Tensor lsh_buckets(const at::Tensor& x, const at::Tensor& proj, Binning binn
   constexpr const char* kOp = "lsh_buckets";
   check_vectors(kOp, "x", x);
   check_proj(kOp, proj, x.size(3), binning);
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, x.size(0), x.size(1)).cpu();
+  if (x.is_cuda()) {
+    const at::Tensor seq = ops::check_seq_idx(kOp, detail::on(seq_idx, x.device()), x.size(0), x.size(1));
+    const auto bounds = detail::sequence_bounds_device(seq, x.size(0), x.size(1), x.device());
+    return detail::lsh_buckets_device(x, proj, binning, bounds.start);
+  }
+  const at::Tensor seq = detail::on(ops::check_seq_idx(kOp, seq_idx, x.size(0), x.size(1)), at::kCPU);
   return detail::on(buckets_cpu(x, proj, binning, seq), x.device());
 }
 
@@ -169,7 +175,10 @@ KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::T
   detail::check_positive(kOp, "keys", keys);
   const int64_t h = check_proj(kOp, proj, q.size(3), binning);
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), K = keys;
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L).cpu();
+  if (q.is_cuda())
+    return detail::lsh_device(q.detach(), k.detach(), keys, proj, binning,
+                              ops::check_seq_idx(kOp, detail::on(seq_idx, q.device()), B, L));
+  const at::Tensor seq = detail::on(ops::check_seq_idx(kOp, seq_idx, B, L), at::kCPU);
   const at::Tensor bq = buckets_cpu(q, proj, binning, seq), bk = buckets_cpu(k, proj, binning, seq);
   const int64_t nb = num_buckets(binning, h);
 

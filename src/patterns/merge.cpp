@@ -1,4 +1,4 @@
-// Union of two patterns' lists, and the per-query key counts.
+// Union of two patterns' lists, and the per-query key counts. CUDA lists: cuda/merge_lists.cu.
 #include "patterns/internal.h"
 #include "patterns/pattern.h"
 
@@ -14,6 +14,10 @@ KeyLists merge(const KeyLists& a, const KeyLists& b) {
             c10::toString(b.idx.scalar_type()));
   const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2), Ka = a.idx.size(3), Kb = b.idx.size(3);
   ops::check_shape(kOp, "b.idx", b.idx, {B, H, L, Kb}, "(B, H, L, Kb) with a.idx's (B, H, L)");
+  if (a.idx.is_cuda()) {
+    ops::check_backend(kOp, "a.idx", a.idx);
+    return {detail::merge_device(a.idx, b.idx), a.q_order.defined() ? a.q_order : b.q_order};
+  }
   const at::Tensor x = a.idx.to(at::kCPU).contiguous(), y = b.idx.to(at::kCPU).contiguous();
   const int64_t K = Ka + Kb;
   at::Tensor idx = detail::empty_lists(B, H, L, K);

@@ -4,10 +4,16 @@
 // Every builder is causal (keys j <= i) and respects packed sequences: with seq_idx (B, L), a
 // query only ever sees keys of its own sequence, and positions count from that sequence's start
 // (so a packed row gives each sequence exactly the lists it would get alone).
+//
+// Every builder runs on the device of its inputs: CUDA inputs give lists built by the CUDA kernels
+// (patterns/cuda/), on that device, equal to the CPU's lists for the same inputs (same keys, order,
+// padding, q_order and ties). The builders that take only sizes build on `device` when given, else
+// on seq_idx's device, else on the CPU.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace hax::patterns {
@@ -19,13 +25,16 @@ struct KeyLists {
 };
 
 // SW: the k most recent keys, self included: j in [max(start, i - k + 1), i].
-KeyLists sliding_window(int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx);
+KeyLists sliding_window(int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx,
+                        std::optional<at::Device> device = std::nullopt);
 
 // Sink: the first k keys of the query's sequence that are <= i.
-KeyLists sink(int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx);
+KeyLists sink(int64_t B, int64_t H, int64_t L, int64_t k, const at::Tensor& seq_idx,
+              std::optional<at::Device> device = std::nullopt);
 
 // D (dilated, stride r): keys j <= i with (j - start) mod r = r - 1, the k most recent of them.
-KeyLists dilated(int64_t B, int64_t H, int64_t L, int64_t k, int64_t stride, const at::Tensor& seq_idx);
+KeyLists dilated(int64_t B, int64_t H, int64_t L, int64_t k, int64_t stride, const at::Tensor& seq_idx,
+                 std::optional<at::Device> device = std::nullopt);
 
 // LSH bucketing rule: sign bits of the h projections read as a binary number (2^h buckets), or
 // the argmax over the h projections (h buckets).
@@ -73,7 +82,9 @@ struct ChunkLayout {
   at::Tensor start;       // (B, NC) int32: first position of each chunk of the row, in order; -1 past the row's last chunk
   at::Tensor lo, hi;      // (B, L) int32: query i may retrieve the chunks [lo, hi) of its row
 };
-ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq_idx);
+// On `device` when given, else on seq_idx's device, else on the CPU.
+ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq_idx,
+                         std::optional<at::Device> device = std::nullopt);
 
 // The top-k chunks of each query by retrieval score q_ret[b, i] · landmarks[b, c] among the chunks
 // [lo, hi) it may retrieve (ties: the earlier chunk), ascending, -1 where fewer than k exist.

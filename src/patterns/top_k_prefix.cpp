@@ -1,7 +1,7 @@
 // Key Selection: every query sees the k highest-scoring keys of its causal prefix (ties: the
 // earlier position). The selected set changes by at most one key per step, so it is kept
 // incrementally: a new key enters when the set is not full, or replaces the current worst member
-// when it scores higher. O(L·k) per (b, h), no per-query sort.
+// when it scores higher. O(L·k) per (b, h), no per-query sort. CUDA scores: cuda/top_k_prefix.cu.
 #include <cmath>
 #include <limits>
 
@@ -60,7 +60,13 @@ KeyLists top_k_prefix(const at::Tensor& scores0, int64_t k, const at::Tensor& se
   detail::check_positive(kOp, "k", k);
   const int64_t B = scores0.size(0), L = scores0.size(1), H = scores0.size(2);
   detail::check_sizes(kOp, B, H, L);
-  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, B, L).cpu();
+  // CUDA scores: the kernels of patterns/cuda/top_k_prefix.cu, save for a k (< L) too large for
+  // their shared memory, which the CPU loop below serves (the lists then move to the device).
+  if (scores0.is_cuda() && (k >= L || k <= kTopKMaxK)) {
+    const at::Tensor seq = ops::check_seq_idx(kOp, detail::on(seq_idx, scores0.device()), B, L);
+    return {detail::top_k_prefix_device(scores0, k, seq), at::Tensor()};
+  }
+  const at::Tensor seq = detail::on(ops::check_seq_idx(kOp, seq_idx, B, L), at::kCPU);
   const at::Tensor scores = scores0.detach().to(at::kCPU).contiguous();
   at::Tensor idx = detail::empty_lists(B, H, L, k);
   if (scores.scalar_type() == at::kDouble)

@@ -61,6 +61,14 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
 
 }  // namespace
 
+Batch Batch::to(const at::Device& device) const {
+  if (inputs.device() == device) return *this;
+  Batch b = *this;
+  for (at::Tensor* t : {&b.inputs, &b.targets, &b.loss_mask, &b.seq_idx, &b.sample_id})
+    if (t->defined()) *t = t->to(device, /*non_blocking=*/true);
+  return b;
+}
+
 Batch make_batch(const std::vector<Sample>& samples, int32_t pad_id) {
   std::vector<std::vector<int32_t>> rows(samples.size());
   for (size_t i = 0; i < samples.size(); ++i) rows[i] = {(int32_t)i};

@@ -22,6 +22,9 @@ struct Batch {
   at::Tensor sample_id;  // (B, T) int32 index of the input sample of each position, -1 at padding
   int64_t num_samples = 0;  // number of input samples
   int64_t num_tokens = 0;   // non-padding input positions
+
+  // The same batch with its tensors on `device` (itself when they are there already).
+  Batch to(const at::Device& device) const;
 };
 
 // One sample per row, in the given order.

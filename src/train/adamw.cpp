@@ -61,10 +61,10 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, int64_t
 
 double clip_grad_norm(const std::map<std::string, at::Tensor>& params, double max_norm) {
   torch::NoGradGuard ng;
-  double sq = 0;
+  std::vector<at::Tensor> sums;  // on the parameters' device: one transfer at the end
   for (auto& [name, p] : params)
-    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
-  const double norm = std::sqrt(sq);
+    if (p.grad().defined()) sums.push_back(p.grad().to(at::kDouble).pow(2).sum());
+  const double norm = sums.empty() ? 0.0 : std::sqrt(at::stack(sums).sum().item<double>());
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& [name, p] : params)

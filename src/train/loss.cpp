@@ -2,7 +2,8 @@
 
 namespace hax {
 
-LossResult masked_lm_loss(LanguageModel& model, const Batch& batch, ForwardContext& ctx) {
+LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardContext& ctx) {
+  const Batch batch = batch0.to(model.device());
   ctx.valid = batch.sample_id >= 0;
   ctx.ranking_losses.clear();
   at::Tensor h = model.hidden(batch.inputs, batch.seq_idx, nullptr, &ctx);  // (B, T, d)
@@ -22,11 +23,14 @@ LossResult masked_lm_loss(LanguageModel& model, const Batch& batch, ForwardConte
   at::Tensor correct = (logits.argmax(-1) == tg).to(at::kDouble);
   at::Tensor sid = batch.sample_id.reshape({-1}).index_select(0, sel).to(at::kLong);
   const int64_t n = batch.num_samples;
-  at::Tensor hits = at::zeros({n}, at::kDouble).index_add_(0, sid, correct);
-  at::Tensor count = at::zeros({n}, at::kDouble).index_add_(0, sid, at::ones_like(correct));
+  const auto f64 = correct.options();
+  at::Tensor hits = at::zeros({n}, f64).index_add_(0, sid, correct);
+  at::Tensor count = at::zeros({n}, f64).index_add_(0, sid, at::ones_like(correct));
   at::Tensor has = count > 0;
-  r.samples = has.sum().item<int64_t>();
-  r.correct_sum = (hits.masked_select(has) / count.masked_select(has)).sum().item<double>();
+  // One transfer for both numbers (a GPU run synchronizes once).
+  at::Tensor both = at::stack({has.sum().to(at::kDouble), (hits / count.clamp_min(1)).masked_fill(~has, 0).sum()}).cpu();
+  r.samples = (int64_t)both[0].item<double>();
+  r.correct_sum = both[1].item<double>();
   return r;
 }
 

@@ -8,8 +8,9 @@ void TrainConfig::validate() const {
   auto positive = [](const char* flag, int64_t v) { HAX_CHECK(v > 0, "{} {} must be positive", flag, v); };
   HAX_CHECK(!run_dir.empty(), "--run-dir must not be empty");
   HAX_CHECK(threads >= 0, "--threads {} must be >= 0 (0 uses all cores)", threads);
-  HAX_CHECK(device == "cpu" || device == "cuda" || device == "auto", "--device {} is unknown; choose cpu, cuda or auto",
-            device);
+  HAX_CHECK(device == "cpu" || device == "cuda" || device == "auto" || device.rfind("cuda:", 0) == 0,
+            "--device {} is unknown; choose cpu, cuda, cuda:N or auto", device);
+  HAX_CHECK(precision == "fp32" || precision == "bf16", "--precision {} is unknown; choose fp32 or bf16", precision);
   positive("--steps", steps);
   positive("--batch-size", batch_size);
   positive("--eval-batch-size", eval_batch_size);
@@ -39,6 +40,7 @@ void TrainConfig::validate() const {
 nlohmann::ordered_json TrainConfig::to_json() const {
   return {{"run_dir", run_dir},       {"seed", seed},
           {"threads", threads},       {"device", device},
+          {"precision", precision},   {"deterministic", deterministic},
           {"steps", steps},           {"batch_size", batch_size},
           {"lr", lr},                 {"min_lr", min_lr},
           {"schedule", schedule},     {"warmup_steps", warmup_steps},

@@ -10,7 +10,9 @@ struct TrainConfig {
   std::string run_dir = "runs/default";  // where config.toml, metrics.jsonl and checkpoints go
   uint64_t seed = 1;            // seeds model init, data streams and splits
   int threads = 0;              // CPU threads; 0 = all cores
-  std::string device = "cpu";   // "cpu", "cuda" or "auto" (cuda when available)
+  std::string device = "cpu";   // "cpu", "cuda" (or "cuda:N") or "auto" (cuda when available)
+  std::string precision = "fp32";  // "fp32", or "bf16": autocast on CUDA (float32 weights and optimizer state)
+  bool deterministic = false;   // CUDA backward passes sum in a fixed order (bit-identical reruns; a little slower)
   int64_t steps = 400000;       // optimizer steps (paper: 400K)
   int64_t batch_size = 64;      // samples per step (paper: 64)
   double lr = 2e-3;             // peak learning rate (paper grid 1e-3..3e-3)

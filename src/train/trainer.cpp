@@ -6,6 +6,8 @@
 #include <fstream>
 
 #include "core/atomic_file.h"
+#include "core/device.h"
+#include "ops/backend.h"
 #include "core/error.h"
 #include "core/progress.h"
 #include "core/rng.h"
@@ -19,6 +21,7 @@
 #include "train/checkpoint.h"
 #include "train/loss.h"
 #include "train/metrics.h"
+#include "train/precision.h"
 #include "train/schedule.h"
 
 namespace hax {
@@ -61,7 +64,9 @@ TrainSummary train(const RunConfig& run) {
   HAX_CHECK(run.model.vocab_size >= task->min_vocab(),
             "--vocab-size {} is too small for task {}, whose token ids reach {}: it must be at least {}",
             run.model.vocab_size, task->name(), task->min_vocab() - 1, task->min_vocab());
-  HAX_CHECK(tc.device != "cuda", "--device cuda: this build of hax runs on the CPU only (no CUDA kernels built)");
+  const at::Device device = resolve_device(tc.device);
+  check_precision(tc.precision, device);
+  ops::set_deterministic(tc.deterministic);
   const int64_t pack_len = tc.pack_len > 0 ? tc.pack_len : task->max_length() - 1;
 
   const std::string last_path = last_checkpoint_path(tc.run_dir), best_path = best_checkpoint_path(tc.run_dir);
@@ -75,7 +80,8 @@ TrainSummary train(const RunConfig& run) {
   make_dirs(tc.run_dir + "/checkpoints");
 
   torch::manual_seed(tc.seed);
-  LanguageModel model(run.model);
+  LanguageModel model(run.model);  // initialized on the CPU (the same weights on every device), then moved
+  model.to(device);
   model.train();
   if (tc.swa_warmup_window > 0)
     HAX_CHECK(model.set_swa_window(run.model.swa_window) > 0,
@@ -128,7 +134,11 @@ TrainSummary train(const RunConfig& run) {
     ForwardContext ctx;
     ctx.training = true;
     ctx.seed = derive_seed(tc.seed, 0x57E9, (uint64_t)step);  // LSH hash resampled every step
-    LossResult r = masked_lm_loss(model, batch, ctx);
+    LossResult r;
+    {
+      AutocastScope autocast(tc.precision, device);
+      r = masked_lm_loss(model, batch, ctx);
+    }
     if (step == nan_step) r.loss = r.loss * std::nan("");
     const double loss = r.loss.item<double>();
     const double ranking = r.ranking.defined() ? r.ranking.item<double>() : 0.0;

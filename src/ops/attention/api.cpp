@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "ops/attention/attention.h"
+#include "ops/backend.h"
 #include "ops/check.h"
 
 namespace hax::ops {
@@ -20,9 +21,10 @@ struct Dims {
   int64_t B, L, Lk, H, D, Dv, S, K;
 };
 
-void check_cpu(const char* name, const at::Tensor& t) {
-  HAX_CHECK(t.device().is_cpu(), "{}: {} is on {}, but this build runs {} on the CPU only", kOp, name,
-            t.device().str(), kOp);
+// An index tensor must live on q's device.
+void check_device(const char* name, const at::Tensor& t, const at::Tensor& q) {
+  HAX_CHECK(t.device() == q.device(), "{}: {} is on {} but q is on {}; the index tensors must be on q's device", kOp,
+            name, t.device().str(), q.device().str());
 }
 
 void check_int32(const char* name, const at::Tensor& t) {
@@ -34,7 +36,6 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& bias, const at::Tensor& seg_w, const at::Tensor& q_order, double scale) {
   check_rank(kOp, "q", q, 4, "(B, L, H, D)");
   check_floating(kOp, "q", q);
-  check_cpu("q", q);
   Dims d{q.size(0), q.size(1), 0, q.size(2), q.size(3), 0, 1, 0};
   check_rank(kOp, "k", k, 4, "(B, Lk, H, D)");
   d.Lk = k.size(1);
@@ -55,7 +56,7 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     check_shape(kOp, "idx", idx, {d.B, d.H, d.L, d.S, d.K}, "(B, H, L, S, K)");
   }
   check_int32("idx", idx);
-  check_cpu("idx", idx);
+  check_device("idx", idx, q);
   if (bias.defined()) {
     check_shape(kOp, "bias", bias, {d.B, d.H, d.Lk}, "(B, H, Lk)");
     check_same(kOp, "bias", bias, q);
@@ -67,10 +68,14 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (q_order.defined()) {
     check_shape(kOp, "q_order", q_order, {d.B, d.H, d.L}, "(B, H, L)");
     check_int32("q_order", q_order);
-    check_cpu("q_order", q_order);
+    check_device("q_order", q_order, q);
   }
   HAX_CHECK(scale > 0 && std::isfinite(scale), "{}: scale {} must be positive and finite (e.g. 1/sqrt(D))", kOp,
             scale);
+  if (q.is_cuda())
+    HAX_CHECK(d.D <= kAttentionCudaMaxDim && d.Dv <= kAttentionCudaMaxDim,
+              "{}: head dims D = {} and Dv = {} must be at most {} for the CUDA kernels", kOp, d.D, d.Dv,
+              kAttentionCudaMaxDim);
   HAX_CHECK(d.L * d.S * d.K < (int64_t(1) << 31),
             "{}: L * S * K = {} * {} * {} list entries per (b, h) must be below 2^31", kOp, d.L, d.S, d.K);
   return d;
@@ -129,6 +134,27 @@ void check_permutation(const at::Tensor& q_order, const Dims& d) {
               kOp, d.L, bh / d.H, bh % d.H, bad[bh], p[bh * d.L + bad[bh]]);
 }
 
+// The checks above for tensors on a CUDA device: one min/max reduction (idx) or one sort (q_order)
+// on the device and a single copy of the verdict to the host; only a failing tensor is copied whole
+// to the host, where the checks above name the offending entry.
+void check_idx_values_cuda(const at::Tensor& idx, const Dims& d) {
+  if (idx.numel() == 0) return;
+  const auto [lo, hi] = at::aminmax(idx);
+  const at::Tensor range = at::stack({lo, hi}).cpu();
+  const int32_t* r = range.data_ptr<int32_t>();
+  if (r[0] >= -1 && r[1] < d.Lk) return;
+  check_idx_values(idx.cpu(), d);
+  fail("{}: idx holds {} .. {} but its entries must be in [0, Lk = {}) or -1", kOp, r[0], r[1], d.Lk);
+}
+
+void check_permutation_cuda(const at::Tensor& q_order, const Dims& d) {
+  if (q_order.numel() == 0) return;
+  const at::Tensor sorted = std::get<0>(at::sort(q_order.view({d.B * d.H, d.L}), 1));
+  if (sorted.eq(at::arange(d.L, sorted.options()).unsqueeze(0)).all().item<bool>()) return;
+  check_permutation(q_order.cpu(), d);
+  fail("{}: q_order must be a permutation of 0..L-1 (L = {}) for every (b, h)", kOp, d.L);
+}
+
 // Checked, contiguous inputs; idx as (B, H, L, S, K).
 struct Inputs {
   Dims d;
@@ -142,12 +168,14 @@ Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   const Dims& d = in.d;
   in.q = q.contiguous(), in.k = k.contiguous(), in.v = v.contiguous();
   in.idx = idx.reshape({d.B, d.H, d.L, d.S, d.K}).contiguous();
-  check_idx_values(in.idx, d);
+  if (in.idx.is_cuda()) check_idx_values_cuda(in.idx, d);
+  else check_idx_values(in.idx, d);
   if (bias.defined()) in.bias = bias.contiguous();
   if (seg_w.defined()) in.seg_w = seg_w.contiguous();
   if (q_order.defined()) {
     in.q_order = q_order.contiguous();
-    check_permutation(in.q_order, d);
+    if (in.q_order.is_cuda()) check_permutation_cuda(in.q_order, d);
+    else check_permutation(in.q_order, d);
   }
   return in;
 }
@@ -167,6 +195,81 @@ AttentionParams make_params(const Inputs& in, double scale) {
   return p;
 }
 
+struct CudaGrads {
+  at::Tensor dq, dk, dv, dbias, dseg_w;  // in q's dtype; dbias, dseg_w undefined when absent
+};
+
+// The CUDA backward. dk, dv and dbias are summed in float32 accumulators and cast to q's dtype:
+// zeroed and summed with atomics by default; in deterministic mode, every key's sums are written
+// by a key pass over the list entries sorted by key (a stable sort of idx per (b, h) and a search
+// for each key's first entry, both on the device), in work chunks of at most kAttentionKeyChunk
+// entries of one key.
+CudaGrads backward_cuda(const Inputs& in, const at::Tensor& lse, const at::Tensor& dout, const at::Tensor& dlse,
+                        double scale, AttentionPath path) {
+  const Dims& d = in.d;
+  const bool det = deterministic();
+  const auto f32 = in.q.options().dtype(at::kFloat);
+  auto accumulator = [&](std::vector<int64_t> sizes) { return det ? new_output(sizes, f32) : at::zeros(sizes, f32); };
+  CudaGrads g;
+  g.dq = new_output_like(in.q);
+  at::Tensor dk = accumulator({d.B, d.Lk, d.H, d.D}), dv = accumulator({d.B, d.Lk, d.H, d.Dv});
+  at::Tensor dbias = in.bias.defined() ? accumulator({d.B, d.H, d.Lk}) : at::Tensor();
+  g.dseg_w = in.seg_w.defined() ? new_output_like(in.seg_w) : at::Tensor();
+  if (d.B * d.H * d.L == 0) {
+    dk.zero_(), dv.zero_();
+    if (dbias.defined()) dbias.zero_();
+  } else {
+    AttentionGradParams gp;
+    gp.fwd = make_params(in, scale);
+    gp.fwd.path = path;
+    gp.fwd.lse = lse.data_ptr();
+    gp.dout = dout.data_ptr();
+    gp.dlse = dlse.defined() ? dlse.data_ptr() : nullptr;
+    gp.dq = g.dq.data_ptr(), gp.dk = dk.data_ptr(), gp.dv = dv.data_ptr();
+    gp.dbias = dbias.defined() ? dbias.data_ptr() : nullptr;
+    gp.dseg_w = g.dseg_w.defined() ? g.dseg_w.data_ptr() : nullptr;
+    gp.deterministic = det;
+    at::Tensor key_entries, key_start, chunk_start, partial_start, partials;
+    if (det) {
+      const int64_t BH = d.B * d.H, N = d.L * d.S * d.K;
+      if (N > 0) {
+        // Entries e = (i*S + s)*K + t of each (b, h) sorted by key, stable: ascending e within a
+        // key, the padding (-1) first; key j's entries start at the first position holding >= j.
+        auto sorted = at::sort(in.idx.view({BH, N}), /*stable=*/true, /*dim=*/1, /*descending=*/false);
+        key_entries = std::get<1>(sorted).to(at::kInt).contiguous();
+        const at::Tensor keys = at::arange(d.Lk + 1, in.idx.options()).unsqueeze(0).expand({BH, d.Lk + 1}).contiguous();
+        key_start = at::searchsorted(std::get<0>(sorted), keys, /*out_int32=*/true, /*right=*/false).contiguous();
+        gp.key_entries = key_entries.data_ptr<int32_t>();
+      } else {
+        key_start = at::zeros({BH, d.Lk + 1}, in.idx.options());
+      }
+      gp.key_start = key_start.data_ptr<int32_t>();
+      // Work chunks of the key pass: max(1, ceil(entries / kAttentionKeyChunk)) per key, and
+      // partial rows for the keys of several chunks (one copy of the two totals to the host).
+      const at::Tensor counts =
+          (key_start.narrow(1, 1, d.Lk) - key_start.narrow(1, 0, d.Lk)).to(at::kLong).reshape({BH * d.Lk});
+      const at::Tensor chunks = at::div(counts + (kAttentionKeyChunk - 1), kAttentionKeyChunk, "trunc").clamp_min(1);
+      const at::Tensor zero = at::zeros({1}, counts.options());
+      chunk_start = at::cat({zero, chunks.cumsum(0)});
+      partial_start = at::cat({zero, at::where(chunks > 1, chunks, at::zeros_like(chunks)).cumsum(0)});
+      const at::Tensor totals = at::stack({chunk_start[BH * d.Lk], partial_start[BH * d.Lk]}).cpu();
+      gp.key_chunks = totals[0].item<int64_t>();
+      partials = at::empty({std::max<int64_t>(1, totals[1].item<int64_t>() * (d.D + d.Dv + 1))}, f32);
+      gp.key_chunk_start = chunk_start.data_ptr<int64_t>();
+      gp.key_partial_start = partial_start.data_ptr<int64_t>();
+      gp.key_partials = partials.data_ptr<float>();
+    }
+    const int64_t ws = sparse_attention_cuda_workspace(gp);
+    at::Tensor work = ws > 0 ? at::empty({ws}, f32) : at::Tensor();
+    gp.workspace = ws > 0 ? work.data_ptr<float>() : nullptr;
+    HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_backward_cuda(gp, kernel_dtype(in.q), cuda_stream(in.q)));
+  }
+  const auto dt = in.q.scalar_type();
+  g.dk = dk.to(dt), g.dv = dv.to(dt);
+  if (dbias.defined()) g.dbias = dbias.to(dt);
+  return g;
+}
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -178,10 +281,19 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
     Inputs in = prepare(q, k, v, idx, present(bias), present(seg_w), present(q_order), scale);
     const Dims& d = in.d;
     AttentionParams p = make_params(in, scale);
-    at::Tensor out = at::empty({d.B, d.L, d.H, d.Dv}, in.q.options());
-    at::Tensor lse = at::empty({d.B, d.H, d.L, d.S}, in.q.options());
+    const bool cuda = in.q.is_cuda();
+    // lse is float32 on CUDA (the kernels' math type), q's dtype on the CPU.
+    at::Tensor out = cuda ? new_output({d.B, d.L, d.H, d.Dv}, in.q.options())
+                          : at::empty({d.B, d.L, d.H, d.Dv}, in.q.options());
+    at::Tensor lse = cuda ? new_output({d.B, d.H, d.L, d.S}, in.q.options().dtype(at::kFloat))
+                          : at::empty({d.B, d.H, d.L, d.S}, in.q.options());
     p.out = out.data_ptr(), p.lse = lse.data_ptr();
-    if (d.B * d.H * d.L > 0) sparse_attention_forward_cpu(p, in.q.scalar_type());
+    if (d.B * d.H * d.L > 0) {
+      if (cuda)
+        HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_forward_cuda(p, kernel_dtype(in.q), cuda_stream(in.q)));
+      else
+        sparse_attention_forward_cpu(p, in.q.scalar_type());
+    }
     auto or_empty = [&](const at::Tensor& t, at::ScalarType dt) { return t.defined() ? t : at::empty({0}, dt); };
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["has_bias"] = in.bias.defined();
@@ -205,12 +317,20 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
     d = {in.q.size(0), in.q.size(1), in.k.size(1), in.q.size(2), in.q.size(3), in.v.size(3), in.idx.size(3),
          in.idx.size(4)};
     const double scale = ctx->saved_data["scale"].toDouble();
+    const AttentionPath path = AttentionPath(ctx->saved_data["path"].toInt());
+    if (in.q.is_cuda()) {
+      const at::Tensor dout = grads[0].defined() ? grads[0].to(in.q.scalar_type()).contiguous()
+                                                 : at::zeros({d.B, d.L, d.H, d.Dv}, in.q.options());
+      const at::Tensor dlse = grads[1].defined() ? grads[1].to(at::kFloat).contiguous() : at::Tensor();
+      const CudaGrads g = backward_cuda(in, lse, dout, dlse, scale, path);
+      return {g.dq, g.dk, g.dv, at::Tensor(), g.dbias, g.dseg_w, at::Tensor(), at::Tensor()};
+    }
     at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros({d.B, d.L, d.H, d.Dv}, in.q.options());
     at::Tensor dlse = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
 
     AttentionGradParams gp;
     gp.fwd = make_params(in, scale);
-    gp.fwd.path = AttentionPath(ctx->saved_data["path"].toInt());
+    gp.fwd.path = path;
     gp.fwd.lse = lse.data_ptr();
     at::Tensor dq = at::empty_like(in.q), dk = at::empty_like(in.k), dv = at::empty_like(in.v);
     at::Tensor dbias = in.bias.defined() ? at::empty_like(in.bias) : at::Tensor();
@@ -238,6 +358,9 @@ AttentionPath sparse_attention_path() { return g_path.load(); }
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& idx, const at::Tensor& bias,
                                                     const at::Tensor& seg_w, const at::Tensor& q_order, double scale) {
+  if (autocast_cast_needed({q, k, v, bias, seg_w}))
+    return sparse_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), idx, autocast_cast(bias),
+                            autocast_cast(seg_w), q_order, scale);
   check_inputs(q, k, v, idx, bias, seg_w, q_order, scale);  // before apply, which needs defined tensors
   auto absent = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options()); };
   auto out = SparseAttentionFunction::apply(q, k, v, idx, absent(bias), absent(seg_w),

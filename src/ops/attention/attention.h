@@ -15,42 +15,9 @@
 
 #include <tuple>
 
+#include "ops/attention/params.h"
+
 namespace hax::ops {
-
-// How the kernels compute a block of queries (consecutive in q_order). Every path gives the same
-// result up to rounding; kAuto is the fast choice, the others exist for tests and benchmarks.
-enum class AttentionPath {
-  kAuto,      // dense tiles over the block's key union when it is small (queries share keys), else per query
-  kTiles,     // always dense tiles (the union's size is then only bounded by the block's S·K per query)
-  kPerQuery,  // always per-query gathers of the listed keys
-};
-
-struct AttentionParams {
-  int64_t batch = 0, seqlen = 0, keylen = 0, nheads = 0, dim = 0, vdim = 0, nseg = 0, maxkeys = 0;
-  double scale = 1.0;             // score multiplier, e.g. 1/sqrt(D) (double, so that float64 runs are exact)
-  const void* q = nullptr;        // (B, L, H, D)
-  const void* k = nullptr;        // (B, Lk, H, D)
-  const void* v = nullptr;        // (B, Lk, H, Dv)
-  const int32_t* idx = nullptr;   // (B, H, L, S, K) key positions in [0, Lk), -1 = none; no duplicates in a segment
-  const void* bias = nullptr;     // (B, H, Lk) additive per-key score bias, or null
-  const void* seg_w = nullptr;    // (B, H, L, S) segment weights, or null (all 1)
-  const int32_t* q_order = nullptr;  // (B, H, L) permutation of queries: consecutive ones are computed
-                                     // together and should share keys (speed only), or null (0..L-1)
-  void* out = nullptr;            // out (B, L, H, Dv)
-  void* lse = nullptr;            // out (B, H, L, S) log-sum-exp of each segment's scores (-inf if empty)
-  AttentionPath path = AttentionPath::kAuto;
-};
-
-struct AttentionGradParams {
-  AttentionParams fwd;            // inputs, and lse from the forward
-  const void* dout = nullptr;     // (B, L, H, Dv)
-  const void* dlse = nullptr;     // (B, H, L, S) gradient of lse, or null (zero)
-  void* dq = nullptr;             // out (B, L, H, D)
-  void* dk = nullptr;             // out (B, Lk, H, D)
-  void* dv = nullptr;             // out (B, Lk, H, Dv)
-  void* dbias = nullptr;          // out (B, H, Lk), or null when there is no bias
-  void* dseg_w = nullptr;         // out (B, H, L, S), or null when there are no weights
-};
 
 void sparse_attention_forward_cpu(const AttentionParams& p, at::ScalarType dtype);
 void sparse_attention_backward_cpu(const AttentionGradParams& p, at::ScalarType dtype);
@@ -58,9 +25,12 @@ void sparse_attention_backward_cpu(const AttentionGradParams& p, at::ScalarType 
 // Differentiable in q, k, v, bias and seg_w (undefined tensors = absent), through both outputs.
 // idx may be (B, H, L, K) for one segment (lse is then still (B, H, L, 1)). q_order, when given,
 // must be a permutation of 0..L-1 for every (b, h). scale > 0 (e.g. 1/sqrt(D)). Checked: shapes,
-// dtypes (float32/float64, idx and q_order int32), idx values in [-1, Lk), q_order a permutation,
-// L·S·K < 2^31; not checked: distinct keys within a segment (a repeated key counts twice, unlike
-// in the reference). Returns (out (B, L, H, Dv), lse (B, H, L, S)).
+// dtypes (float32/float64 on the CPU, float32/bfloat16 on CUDA; idx and q_order int32 on q's
+// device), idx values in [-1, Lk), q_order a permutation, L·S·K < 2^31, and on CUDA D, Dv <= 128;
+// not checked: distinct keys within a segment (a repeated key counts twice, unlike in the
+// reference). Returns (out (B, L, H, Dv), lse (B, H, L, S)); lse is float32 on CUDA. On CUDA, the
+// backward sums dk, dv and dbias with float atomics, or in a fixed order under
+// ops::set_deterministic(true).
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& idx, const at::Tensor& bias,
                                                     const at::Tensor& seg_w, const at::Tensor& q_order, double scale);

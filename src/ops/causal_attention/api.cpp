@@ -1,9 +1,11 @@
 // Binding layer of causal attention: tensor checks, dispatch to the kernels, autograd.
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "core/error.h"
+#include "ops/backend.h"
 #include "ops/causal_attention/causal_attention.h"
 #include "ops/check.h"
 
@@ -12,6 +14,8 @@ namespace {
 
 constexpr const char* kOp = "causal_attention";
 
+std::atomic<bool> g_tensor_cores{true};
+
 struct Dims {
   int64_t B, L, H, D, Dv;
 };
@@ -19,7 +23,6 @@ struct Dims {
 Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window, double scale) {
   check_rank(kOp, "q", q, 4, "(B, L, H, D)");
   check_floating(kOp, "q", q);
-  HAX_CHECK(q.device().is_cpu(), "{}: q is on {}, but this build runs {} on the CPU only", kOp, q.device().str(), kOp);
   Dims d{q.size(0), q.size(1), q.size(2), q.size(3), 0};
   check_shape(kOp, "k", k, {d.B, d.L, d.H, d.D}, "(B, L, H, D)");
   check_rank(kOp, "v", v, 4, "(B, L, H, Dv)");
@@ -30,6 +33,12 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   HAX_CHECK(window >= 0, "{}: window {} must be >= 0 (0 = every earlier key)", kOp, window);
   HAX_CHECK(scale > 0 && std::isfinite(scale), "{}: scale {} must be positive and finite (e.g. 1/sqrt(D))", kOp,
             scale);
+  if (q.is_cuda()) {
+    HAX_CHECK(d.D <= kCausalAttentionCudaMaxDim && d.Dv <= kCausalAttentionCudaMaxDim,
+              "{}: head dims D = {} and Dv = {} must be at most {} on CUDA", kOp, d.D, d.Dv,
+              kCausalAttentionCudaMaxDim);
+    HAX_CHECK(d.L < (int64_t(1) << 30), "{}: L = {} must be below 2^30 on CUDA", kOp, d.L);
+  }
   return d;
 }
 
@@ -41,6 +50,7 @@ CausalAttentionParams make_params(const Dims& d, int64_t window, double scale, c
   p.scale = scale;
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
   p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
+  p.tensor_cores = g_tensor_cores.load();
   return p;
 }
 
@@ -54,15 +64,25 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
     if (seq_idx.numel() == 0) seq_idx = at::Tensor();
     Dims d = check_inputs(q0, k0, v0, window, scale);
     at::Tensor seq = check_seq_idx(kOp, seq_idx, d.B, d.L);
+    if (seq.defined())
+      HAX_CHECK(seq.device() == q0.device(), "{}: seq_idx is on {} but q is on {}; seq_idx must be on q's device",
+                kOp, seq.device().str(), q0.device().str());
     at::Tensor q = q0.contiguous(), k = k0.contiguous(), v = v0.contiguous();
     CausalAttentionParams p = make_params(d, window, scale, q, k, v, seq);
-    at::Tensor out = at::empty({d.B, d.L, d.H, d.Dv}, q.options());
-    at::Tensor lse = at::empty({d.B, d.H, d.L}, q.options());
+    at::Tensor out = new_output({d.B, d.L, d.H, d.Dv}, q.options());
+    // lse is float32 on CUDA (the kernels' math type), q's dtype on the CPU.
+    at::Tensor lse = new_output({d.B, d.H, d.L}, q.is_cuda() ? q.options().dtype(at::kFloat) : q.options());
     p.out = out.data_ptr(), p.lse = lse.data_ptr();
-    if (d.B * d.H * d.L > 0) causal_attention_forward_cpu(p, q.scalar_type());
+    if (d.B * d.H * d.L > 0) {
+      if (q.is_cuda())
+        HAX_CUDA_LAUNCH(kOp, q, causal_attention_forward_cuda(p, kernel_dtype(q), cuda_stream(q)));
+      else
+        causal_attention_forward_cpu(p, q.scalar_type());
+    }
     ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["has_seq"] = seq.defined();
+    ctx->saved_data["tensor_cores"] = p.tensor_cores;
     ctx->save_for_backward({q, k, v, seq.defined() ? seq : at::empty({0}, at::kInt), out, lse});
     return {out, lse};
   }
@@ -74,24 +94,39 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
     const int64_t window = ctx->saved_data["window"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
     Dims d{q.size(0), q.size(1), q.size(2), q.size(3), v.size(3)};
-    at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(out);
-    at::Tensor dlse = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
+    at::Tensor dout = grads[0].defined() ? grads[0].to(out.scalar_type()).contiguous() : at::zeros_like(out);
+    at::Tensor dlse = grads[1].defined() ? grads[1].to(lse.scalar_type()).contiguous() : at::Tensor();
     CausalAttentionGradParams gp;
     gp.fwd = make_params(d, window, scale, q, k, v, seq);
     gp.fwd.out = out.data_ptr(), gp.fwd.lse = lse.data_ptr();
-    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    at::Tensor dq = new_output_like(q), dk = new_output_like(k), dv = new_output_like(v);
     gp.dout = dout.data_ptr();
     gp.dlse = dlse.defined() ? dlse.data_ptr() : nullptr;
     gp.dq = dq.data_ptr(), gp.dk = dk.data_ptr(), gp.dv = dv.data_ptr();
-    if (d.B * d.H * d.L > 0) causal_attention_backward_cpu(gp, q.scalar_type());
+    if (d.B * d.H * d.L > 0) {
+      if (q.is_cuda()) {
+        // The tile family the forward used (the switch may have changed since).
+        gp.fwd.tensor_cores = ctx->saved_data["tensor_cores"].toBool();
+        at::Tensor delta = at::empty({causal_attention_cuda_workspace(gp.fwd)}, q.options().dtype(at::kFloat));
+        gp.workspace = delta.data_ptr();
+        HAX_CUDA_LAUNCH(kOp, q, causal_attention_backward_cuda(gp, kernel_dtype(q), cuda_stream(q)));
+      } else {
+        causal_attention_backward_cpu(gp, q.scalar_type());
+      }
+    }
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
+void set_causal_attention_tensor_cores(bool on) { g_tensor_cores.store(on); }
+bool causal_attention_tensor_cores() { return g_tensor_cores.load(); }
+
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& seq_idx, int64_t window, double scale) {
+  if (autocast_cast_needed({q, k, v}))
+    return causal_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), seq_idx, window, scale);
   check_inputs(q, k, v, window, scale);  // before apply, which needs defined tensors
   auto out = CausalAttentionFunction::apply(q, k, v, seq_idx.defined() ? seq_idx : at::empty({0}, at::kInt), window,
                                             scale);

@@ -11,34 +11,22 @@
 
 #include <tuple>
 
+#include "ops/causal_attention/params.h"
+
 namespace hax::ops {
-
-struct CausalAttentionParams {
-  int64_t batch = 0, seqlen = 0, nheads = 0, dim = 0, vdim = 0;
-  int64_t window = 0;             // keys per query at most (0 = all earlier keys)
-  double scale = 1.0;             // score multiplier, e.g. 1/sqrt(D) (double, so that float64 runs are exact)
-  const void* q = nullptr;        // (B, L, H, D)
-  const void* k = nullptr;        // (B, L, H, D)
-  const void* v = nullptr;        // (B, L, H, Dv)
-  const int32_t* seq_idx = nullptr;  // (B, L) packed sequence numbers (non-decreasing), or null
-  void* out = nullptr;            // out (B, L, H, Dv)
-  void* lse = nullptr;            // out (B, H, L)
-};
-
-struct CausalAttentionGradParams {
-  CausalAttentionParams fwd;      // inputs, out and lse of the forward
-  const void* dout = nullptr;     // (B, L, H, Dv)
-  const void* dlse = nullptr;     // (B, H, L) gradient of lse, or null (zero)
-  void* dq = nullptr;             // out (B, L, H, D)
-  void* dk = nullptr;             // out (B, L, H, D)
-  void* dv = nullptr;             // out (B, L, H, Dv)
-};
 
 void causal_attention_forward_cpu(const CausalAttentionParams& p, at::ScalarType dtype);
 void causal_attention_backward_cpu(const CausalAttentionGradParams& p, at::ScalarType dtype);
 
+// bfloat16 tensors on CUDA run on tensor cores (mma.sync tiles, bfloat16 P and dS) unless this is
+// off (the float32 FMA tiles, slower); float32 tensors always use the FMA tiles. On by default;
+// tests run both.
+void set_causal_attention_tensor_cores(bool on);
+bool causal_attention_tensor_cores();
+
 // Differentiable in q, k, v (through both outputs). seq_idx may be undefined; window >= 0;
-// scale > 0 (e.g. 1/sqrt(D)). Returns (out (B, L, H, Dv), lse (B, H, L)).
+// scale > 0 (e.g. 1/sqrt(D)). Returns (out (B, L, H, Dv), lse (B, H, L)); lse has q's dtype on
+// the CPU and is float32 on CUDA (the kernels' math type; the backward needs it that precise).
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& seq_idx, int64_t window, double scale);
 

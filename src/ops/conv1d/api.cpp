@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "ops/backend.h"
 #include "ops/check.h"
 #include "ops/conv1d/conv1d.h"
 
@@ -17,11 +18,13 @@ struct Dims {
 Dims check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& init) {
   check_rank(kOp, "x", x, 3, "(B, L, C)");
   check_floating(kOp, "x", x);
-  HAX_CHECK(x.device().is_cpu(), "conv1d: x is on {}, but this build runs conv1d on the CPU only", x.device().str());
   Dims d{x.size(0), x.size(1), x.size(2), 0};
   check_rank(kOp, "weight", weight, 2, "(C, W)");
   d.W = weight.size(1);
   HAX_CHECK(d.W >= 1, "conv1d: the kernel width W = {} (weight's dim 1) must be at least 1", d.W);
+  HAX_CHECK(!x.is_cuda() || d.W <= kConv1dCudaMaxWidth,
+            "conv1d: the kernel width W = {} (weight's dim 1) exceeds the CUDA kernels' maximum {}", d.W,
+            kConv1dCudaMaxWidth);
   check_shape(kOp, "weight", weight, {d.C, d.W}, "(C, W)");
   check_same(kOp, "weight", weight, x);
   if (bias.defined()) {
@@ -48,6 +51,12 @@ Conv1dParams make_params(const Dims& d, bool silu, const at::Tensor& x, const at
 
 at::Tensor contiguous_or_absent(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
+// seq_idx checked and converted to contiguous int32 on x's device (or undefined).
+at::Tensor seq_on_device(const at::Tensor& seq_idx, const at::Tensor& x, const Dims& d) {
+  at::Tensor seq = check_seq_idx(kOp, seq_idx, d.B, d.L);
+  return seq.defined() ? seq.to(x.device()).contiguous() : seq;
+}
+
 // Σ over dim 0 of per-row partial sums, one row after another (a fixed order).
 at::Tensor sum_rows_in_order(const at::Tensor& parts) {
   if (parts.size(0) == 0) return parts.sum(0);
@@ -64,12 +73,16 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_forward(const at::Tensor& x0, c
   Dims d = check_inputs(x0, weight0, bias0, init0);
   at::Tensor x = x0.contiguous(), weight = weight0.contiguous(), bias = contiguous_or_absent(bias0),
              init = contiguous_or_absent(init0);
-  at::Tensor seq = check_seq_idx(kOp, seq_idx, d.B, d.L);
+  at::Tensor seq = seq_on_device(seq_idx, x, d);
   Conv1dParams p = make_params(d, silu, x, weight, bias, init, seq);
-  at::Tensor out = at::empty({d.B, d.L, d.C}, x.options());
-  at::Tensor fin = at::empty({d.B, d.W - 1, d.C}, x.options());
+  at::Tensor out = new_output({d.B, d.L, d.C}, x.options());
+  at::Tensor fin = new_output({d.B, d.W - 1, d.C}, x.options());
   p.out = out.data_ptr(), p.final_state = fin.data_ptr();
-  if (d.B * d.C > 0) conv1d_forward_cpu(p, x.scalar_type());
+  if (d.B * d.C == 0) return {out, fin};
+  if (x.is_cuda())
+    HAX_CUDA_LAUNCH(kOp, x, conv1d_forward_cuda(p, kernel_dtype(x), cuda_stream(x)));
+  else
+    conv1d_forward_cpu(p, x.scalar_type());
   return {out, fin};
 }
 
@@ -87,7 +100,7 @@ struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
     if (!present(init)) init = at::Tensor();
     if (!present(seq_idx)) seq_idx = at::Tensor();
     auto [out, fin] = causal_conv1d_forward(x, weight, bias, init, seq_idx, silu);
-    at::Tensor seq = check_seq_idx(kOp, seq_idx, x.size(0), x.size(1));
+    at::Tensor seq = seq_on_device(seq_idx, x, {x.size(0), x.size(1), x.size(2), weight.size(1)});
     ctx->saved_data["silu"] = silu;
     ctx->saved_data["has_bias"] = bias.defined();
     ctx->saved_data["has_init"] = init.defined();
@@ -114,17 +127,38 @@ struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
 
     Conv1dGradParams gp;
     gp.fwd = make_params(d, ctx->saved_data["silu"].toBool(), x, weight, bias, init, seq);
+    gp.dout = dout.data_ptr();
+    if (x.is_cuda()) return backward_cuda(gp, d, x, weight, has_bias, init);
     at::Tensor dx = at::zeros_like(x);
     at::Tensor dw_part = at::zeros({d.B, d.C, d.W}, x.options());
     at::Tensor db_part = has_bias ? at::zeros({d.B, d.C}, x.options()) : at::Tensor();
     at::Tensor dinit = has_init ? at::zeros_like(init) : at::Tensor();
-    gp.dout = dout.data_ptr();
     gp.dx = dx.data_ptr(), gp.dweight_part = dw_part.data_ptr();
     gp.dbias_part = has_bias ? db_part.data_ptr() : nullptr;
     gp.dinit = has_init ? dinit.data_ptr() : nullptr;
     if (d.B * d.C > 0) conv1d_backward_cpu(gp, x.scalar_type());
     at::Tensor dweight = sum_rows_in_order(dw_part);
     at::Tensor dbias = has_bias ? sum_rows_in_order(db_part) : at::Tensor();
+    return {dx, dweight, dbias, dinit, at::Tensor(), at::Tensor()};
+  }
+
+  // The CUDA backward: every gradient written by the kernels, dweight and dbias reduced inside.
+  static variable_list backward_cuda(Conv1dGradParams& gp, const Dims& d, const at::Tensor& x,
+                                     const at::Tensor& weight, bool has_bias, const at::Tensor& init) {
+    const bool has_init = init.defined();
+    if (d.B * d.L * d.C == 0) {  // nothing reaches the weights; the initial state reaches nothing
+      return {at::zeros_like(x), at::zeros_like(weight), has_bias ? at::zeros({d.C}, x.options()) : at::Tensor(),
+              has_init ? at::zeros_like(init) : at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    at::Tensor dx = new_output_like(x), dweight = new_output_like(weight);
+    at::Tensor dbias = has_bias ? new_output({d.C}, x.options()) : at::Tensor();
+    at::Tensor dinit = has_init ? new_output_like(init) : at::Tensor();
+    at::Tensor work = at::empty({conv1d_cuda_workspace(gp.fwd)}, x.options().dtype(at::kFloat));
+    gp.dx = dx.data_ptr(), gp.dweight = dweight.data_ptr();
+    gp.dbias = has_bias ? dbias.data_ptr() : nullptr;
+    gp.dinit = has_init ? dinit.data_ptr() : nullptr;
+    gp.workspace = work.data_ptr();
+    HAX_CUDA_LAUNCH(kOp, x, conv1d_backward_cuda(gp, kernel_dtype(x), cuda_stream(x)));
     return {dx, dweight, dbias, dinit, at::Tensor(), at::Tensor()};
   }
 };
@@ -135,6 +169,9 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
                                                  const at::Tensor& bias, const at::Tensor& init_state,
                                                  const at::Tensor& seq_idx, bool silu) {
   HAX_CHECK(x.defined(), "{}: tensor x is missing", kOp);
+  if (autocast_cast_needed({x, weight, bias, init_state}))
+    return causal_conv1d(autocast_cast(x), autocast_cast(weight), autocast_cast(bias), autocast_cast(init_state),
+                         seq_idx, silu);
   auto absent = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, x.options()); };
   auto out = Conv1dFunction::apply(x, weight, absent(bias), absent(init_state), absent(seq_idx), silu);
   return {out[0], out[1]};

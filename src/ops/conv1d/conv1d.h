@@ -14,39 +14,19 @@
 // the entries that belong to an earlier sequence than the last one are 0. The final state is
 // not differentiable (it is a copy of inputs, for decoding).
 //
+// Backends: CPU (float32/float64, cpu.cpp, the reference) and CUDA (float32/bfloat16 storage,
+// float32 math, widths up to kConv1dCudaMaxWidth, cuda/conv1d.cu). Both reduce dweight and dbias
+// in a fixed order (deterministic); on CUDA they are reduced in float32 and cast.
+//
 // Shapes: B batch, L length, C channels, W kernel width (4 in Mamba).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <tuple>
 
+#include "ops/conv1d/params.h"
+
 namespace hax::ops {
-
-// Raw-pointer parameters of the conv1d kernels (all tensors contiguous, one dtype).
-struct Conv1dParams {
-  int64_t batch = 0;     // B
-  int64_t seqlen = 0;    // L
-  int64_t channels = 0;  // C
-  int64_t width = 0;     // W, kernel width (>= 1)
-  bool silu = false;     // apply SiLU to the output
-  const void* x = nullptr;           // (B, L, C)
-  const void* weight = nullptr;      // (C, W)
-  const void* bias = nullptr;        // (C) or null (zeros)
-  const void* init_state = nullptr;  // (B, W-1, C) or null (zeros)
-  const int32_t* seq_idx = nullptr;  // (B, L) non-decreasing sequence numbers, or null
-  void* out = nullptr;               // out (B, L, C)
-  void* final_state = nullptr;       // out (B, W-1, C) or null
-};
-
-// Gradient parameters: the forward's inputs plus dout.
-struct Conv1dGradParams {
-  Conv1dParams fwd;                 // the forward's inputs (out and final_state unused)
-  const void* dout = nullptr;       // (B, L, C)
-  void* dx = nullptr;               // out (B, L, C)
-  void* dweight_part = nullptr;     // out (B, C, W): per-row partial dweight, summed over B by the caller
-  void* dbias_part = nullptr;       // out (B, C) per-row partial dbias, or null (no bias)
-  void* dinit = nullptr;            // out (B, W-1, C) or null
-};
 
 // CPU kernels (float or double), parallel over (batch row, channel block); deterministic.
 void conv1d_forward_cpu(const Conv1dParams& p, at::ScalarType dtype);

@@ -120,6 +120,8 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps,
                    int64_t group_size) {
   HAX_CHECK(x.defined(), "rmsnorm: tensor x is missing; it must be (..., D)");
+  if (autocast_cast_needed({x, z, weight}))
+    return rmsnorm(autocast_cast(x), autocast_cast(z), autocast_cast(weight), eps, group_size);
   at::Tensor zz = z.defined() ? z : at::empty({0}, x.options());
   return RmsNormFunction::apply(x, zz, weight, eps, group_size, z.defined())[0];
 }

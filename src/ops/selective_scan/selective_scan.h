@@ -14,67 +14,28 @@
 // of one segment at a time from its checkpoint, so memory is O(B·D·N·L/checkpoint), not
 // O(B·D·N·L).
 //
+// Backends: CPU (float32/float64, cpu.cpp, the reference) and CUDA (float32/bfloat16 storage,
+// float32 math, N <= kSelectiveScanCudaMaxState, cuda/selective_scan.cu), which also splits L into
+// segments scanned in parallel and combined. On CUDA the checkpoints are float32, and dA, dB, dC
+// are reduced in float32 in a fixed order (deterministic) and cast.
+//
 // Shapes: B batch, L length, D channels, G groups (D % G == 0), N state size.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <tuple>
 
+#include "ops/selective_scan/params.h"
+
 namespace hax::ops {
-
-// Channels per kernel work item: the kernels process the channels of a group in blocks of this
-// many (the last block of a group may be narrower). The block decomposition fixes the order of
-// every reduction over channels (dB, dC), so results do not depend on the thread count.
-constexpr int64_t kSelectiveScanChannelBlock = 16;
-
-// Raw-pointer parameters of the selective-scan kernels (all tensors contiguous, one dtype).
-struct SelectiveScanParams {
-  int64_t batch = 0;       // B
-  int64_t seqlen = 0;      // L
-  int64_t dim = 0;         // D, channels
-  int64_t ngroups = 0;     // G, groups of channels sharing B and C (divides D)
-  int64_t dstate = 0;      // N, state size per channel
-  int64_t checkpoint = 64; // steps between saved states (segment length of the backward's recompute)
-  const void* x = nullptr;           // (B, L, D) input
-  const void* delta = nullptr;       // (B, L, D) positive step sizes (softplus already applied)
-  const void* A = nullptr;           // (D, N) decay rates (negative in Mamba: A = -exp(A_log))
-  const void* Bm = nullptr;          // (B, L, G, N) input projections
-  const void* Cm = nullptr;          // (B, L, G, N) output projections
-  const void* init_state = nullptr;  // (B, D, N) or null (zeros)
-  const int32_t* seq_idx = nullptr;  // (B, L) non-decreasing sequence numbers, or null
-  void* y = nullptr;                 // out (B, L, D)
-  void* final_state = nullptr;       // out (B, D, N)
-  void* checkpoints = nullptr;       // out (B, nsegments, D, N): state entering each segment, or
-                                     // null when no backward will follow
-  int64_t dim_per_group() const { return dim / ngroups; }
-  int64_t nsegments() const { return (seqlen + checkpoint - 1) / checkpoint; }
-  // Channel blocks per group, each at most kSelectiveScanChannelBlock wide.
-  int64_t blocks_per_group() const {
-    return (dim_per_group() + kSelectiveScanChannelBlock - 1) / kSelectiveScanChannelBlock;
-  }
-};
-
-// Gradient parameters: the forward's inputs and checkpoints plus dy and dfinal.
-struct SelectiveScanGradParams {
-  SelectiveScanParams fwd;       // the forward's inputs and checkpoints
-  const void* dy = nullptr;      // (B, L, D)
-  const void* dfinal = nullptr;  // (B, D, N) or null (zeros)
-  void* dx = nullptr;            // out (B, L, D)
-  void* ddelta = nullptr;        // out (B, L, D)
-  void* dA_part = nullptr;       // out (B, D, N): per-row partial dA, summed over B by the caller
-  void* dB_part = nullptr;       // out (B, L, G, blocks_per_group, N): per-channel-block dB,
-                                 // summed over a group's blocks by the caller
-  void* dC_part = nullptr;       // out (B, L, G, blocks_per_group, N)
-  void* dinit = nullptr;         // out (B, D, N) or null
-};
 
 // CPU kernels (float or double), parallel over (batch row, channel block); deterministic.
 void selective_scan_forward_cpu(const SelectiveScanParams& p, at::ScalarType dtype);
 void selective_scan_backward_cpu(const SelectiveScanGradParams& p, at::ScalarType dtype);
 
 // Tensor-level forward without autograd: returns (y (B,L,D), final_state (B,D,N), checkpoints
-// (B, nsegments, D, N)). init_state and seq_idx may be undefined. With save_checkpoints false the
-// checkpoints tensor is undefined (inference).
+// (B, nsegments, D, N); x's dtype on the CPU, float32 on CUDA). init_state and seq_idx may be
+// undefined. With save_checkpoints false the checkpoints tensor is undefined (inference).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> selective_scan_forward(
     const at::Tensor& x, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
     const at::Tensor& init_state, const at::Tensor& seq_idx, int64_t checkpoint = 64,

@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "ops/backend.h"
 #include "ops/check.h"
 #include "ops/ssd/ssd.h"
 
@@ -18,7 +19,6 @@ Dims check_inputs(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A
                   const at::Tensor& Cm, const at::Tensor& init, int64_t chunk) {
   check_rank(kOp, "x", x, 4, "(B, L, H, P)");
   check_floating(kOp, "x", x);
-  HAX_CHECK(x.device().is_cpu(), "ssd: x is on {}, but this build runs ssd on the CPU only", x.device().str());
   Dims d{x.size(0), x.size(1), x.size(2), x.size(3), 0, 0};
   check_rank(kOp, "B", Bm, 4, "(B, L, G, N)");
   d.G = Bm.size(2);
@@ -59,14 +59,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0,
   at::Tensor x = x0.contiguous(), dt = dt0.contiguous(), A = A0.contiguous(), Bm = B0.contiguous(),
              Cm = C0.contiguous(), init = init0.defined() ? init0.contiguous() : init0;
   at::Tensor seq = check_seq_idx(kOp, seq_idx, d.B, d.L);
+  HAX_CHECK(!seq.defined() || seq.device() == x.device(), "ssd: seq_idx is on {} but the input is on {}",
+            seq.defined() ? seq.device().str() : "", x.device().str());
   SsdParams p = make_params(d, chunk, x, dt, A, Bm, Cm, init, seq);
-  at::Tensor y = at::empty({d.B, d.L, d.H, d.P}, x.options());
-  at::Tensor fin = at::empty({d.B, d.H, d.P, d.N}, x.options());
-  at::Tensor cst = at::empty({d.B, d.H, p.nchunks(), d.N, d.P}, x.options());
+  at::Tensor y = new_output({d.B, d.L, d.H, d.P}, x.options());
+  at::Tensor fin = new_output({d.B, d.H, d.P, d.N}, x.options());
+  // The saved states are float32 on CUDA (the kernels' math type), x's dtype on the CPU.
+  at::Tensor cst =
+      new_output({d.B, d.H, p.nchunks(), d.N, d.P}, x.is_cuda() ? x.options().dtype(at::kFloat) : x.options());
   p.y = y.data_ptr(), p.final_state = fin.data_ptr(), p.chunk_states = cst.data_ptr();
-  if (d.B * d.L > 0) ssd_forward_cpu(p, x.scalar_type());
-  else if (init.defined()) fin.copy_(init);  // an empty sequence passes the state through
-  else fin.zero_();
+  if (d.B * d.L == 0) {
+    if (init.defined()) fin.copy_(init);  // an empty sequence passes the state through
+    else fin.zero_();
+  } else if (x.is_cuda()) {
+    at::Tensor work = at::empty({ssd_cuda_workspace(p, false)}, x.options().dtype(at::kFloat));
+    p.workspace = work.data_ptr();
+    HAX_CUDA_LAUNCH(kOp, x, ssd_forward_cuda(p, kernel_dtype(x), cuda_stream(x)));
+  } else {
+    ssd_forward_cpu(p, x.scalar_type());
+  }
   return {y, fin, cst};
 }
 
@@ -107,18 +118,35 @@ struct SsdFunction : public torch::autograd::Function<SsdFunction> {
     SsdGradParams gp;
     gp.fwd = make_params(d, chunk, x, dt, A, Bm, Cm, init, seq);
     gp.fwd.chunk_states = cst.data_ptr();
+    gp.dy = dy.data_ptr();
+    gp.dfinal = dfin.defined() ? dfin.data_ptr() : nullptr;
+    at::Tensor dinit = has_init ? new_output_like(init) : at::Tensor();
+    gp.dinit = has_init ? dinit.data_ptr() : nullptr;
+    if (d.B * d.L == 0) {
+      if (has_init) dinit.copy_(dfin.defined() ? dfin : at::zeros_like(init));
+      return {at::zeros_like(x),  at::zeros_like(dt), at::zeros_like(A), at::zeros_like(Bm),
+              at::zeros_like(Cm), dinit,              at::Tensor(),      at::Tensor()};
+    }
+    if (x.is_cuda()) {
+      // dB and dC are summed over each group's heads in the kernels; dA_part is float32.
+      at::Tensor dx = new_output_like(x), ddt = new_output_like(dt);
+      at::Tensor dB = new_output_like(Bm), dC = new_output_like(Cm);
+      at::Tensor dA_part = new_output({d.B, d.H}, x.options().dtype(at::kFloat));
+      at::Tensor work = at::empty({ssd_cuda_workspace(gp.fwd, true)}, x.options().dtype(at::kFloat));
+      gp.fwd.workspace = work.data_ptr();
+      gp.dx = dx.data_ptr(), gp.ddt = ddt.data_ptr(), gp.dA_part = dA_part.data_ptr();
+      gp.dB = dB.data_ptr(), gp.dC = dC.data_ptr();
+      HAX_CUDA_LAUNCH(kOp, x, ssd_backward_cuda(gp, kernel_dtype(x), cuda_stream(x)));
+      if (d.H == 0) dB.zero_(), dC.zero_();  // no heads: the kernels have nothing to sum
+      return {dx, ddt, dA_part.sum(0).to(A.scalar_type()), dB, dC, dinit, at::Tensor(), at::Tensor()};
+    }
     at::Tensor dx = at::empty_like(x), ddt = at::empty_like(dt);
     at::Tensor dA_part = at::zeros({d.B, d.H}, x.options());
     at::Tensor dB_head = at::zeros({d.B, d.L, d.H, d.N}, x.options());
     at::Tensor dC_head = at::zeros({d.B, d.L, d.H, d.N}, x.options());
-    at::Tensor dinit = has_init ? at::empty_like(init) : at::Tensor();
-    gp.dy = dy.data_ptr();
-    gp.dfinal = dfin.defined() ? dfin.data_ptr() : nullptr;
     gp.dx = dx.data_ptr(), gp.ddt = ddt.data_ptr(), gp.dA_part = dA_part.data_ptr();
     gp.dB_head = dB_head.data_ptr(), gp.dC_head = dC_head.data_ptr();
-    gp.dinit = has_init ? dinit.data_ptr() : nullptr;
-    if (d.B * d.L > 0) ssd_backward_cpu(gp, x.scalar_type());
-    else if (has_init) dinit.copy_(dfin.defined() ? dfin : at::zeros_like(init));
+    ssd_backward_cpu(gp, x.scalar_type());
     // Sum the per-head B/C gradients over each group's heads, and dA over the batch.
     const int64_t hpg = d.H / d.G;
     at::Tensor dB = dB_head.view({d.B, d.L, d.G, hpg, d.N}).sum(3);
@@ -133,6 +161,9 @@ struct SsdFunction : public torch::autograd::Function<SsdFunction> {
 std::tuple<at::Tensor, at::Tensor> ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
                                        const at::Tensor& B, const at::Tensor& C, const at::Tensor& init_state,
                                        const at::Tensor& seq_idx, int64_t chunk) {
+  if (autocast_cast_needed({x, dt, A, B, C, init_state}))
+    return ssd(autocast_cast(x), autocast_cast(dt), autocast_cast(A), autocast_cast(B), autocast_cast(C),
+               autocast_cast(init_state), seq_idx, chunk);
   auto absent = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, x.options()); };
   auto out = SsdFunction::apply(x, dt, A, B, C, absent(init_state), absent(seq_idx), chunk);
   return {out[0], out[1]};

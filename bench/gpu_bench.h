@@ -1,0 +1,37 @@
+// `hax bench attention --device cuda` and `hax bench ssm --device cuda`: GPU forward and
+// forward+backward times (CUDA events, warm-up, median of many runs) and peak GPU memory, with
+// LibTorch's dense causal scaled-dot-product attention (SDPA) timed in the same run.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace hax::bench {
+
+struct GpuAttentionBenchConfig {
+  // Patterns of hax (pattern building included) plus "full" (hax's causal kernel) and "sdpa"
+  // (LibTorch's dense causal SDPA, the baseline).
+  std::vector<std::string> patterns = {"sdpa", "full", "sw", "d", "sw+d", "a", "lsh", "ks", "hax", "dma", "hsa"};
+  std::vector<int64_t> lengths = {4096, 16384, 65536, 262144};
+  int64_t dim = 64;          // head dim D (queries, keys, values)
+  int64_t heads = 16;        // H
+  int64_t batch = 1;         // B
+  int64_t keys = 64;         // k per query
+  std::string dtype = "bf16";  // "bf16" or "fp32"
+  int warmup = 3;            // untimed runs first
+  int repeats = 20;          // timed runs (median)
+  double dense_max_ms = 2000;  // skip dense attention (sdpa, full) at longer L once fwd+bwd took this long
+};
+
+struct GpuSsmBenchConfig {
+  std::vector<int64_t> lengths = {4096, 16384, 65536, 262144};
+  int64_t batch = 1, heads = 16, headdim = 64, d_state = 128, groups = 1, chunk = 64;
+  std::string dtype = "bf16";
+  int warmup = 3, repeats = 20;
+};
+
+nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg);
+nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg);
+
+}  // namespace hax::bench

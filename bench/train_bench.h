@@ -1,0 +1,25 @@
+// `hax bench train`: training steps per second of the paper's joint-recall models (Table 1
+// variants, batch 64, the task's full length of 1057 tokens at the paper's n_c, n_k <= 16): a whole
+// step (forward, Key Selection ranking loss, backward, gradient clipping, AdamW) on prepared batches.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace hax::bench {
+
+struct TrainBenchConfig {
+  std::vector<std::string> variants = {"mamba2+base", "mamba2+hax"};  // Table 1 names
+  std::string device = "auto";  // cpu, cuda or auto
+  int64_t batch = 64;           // samples per step (paper: 64)
+  int64_t steps = 50;           // timed steps
+  int64_t warmup = 5;           // untimed steps first
+  int64_t sparse_keys = 64;     // k (paper: 64)
+  int64_t chunk_size = 64;      // Mamba-2 SSD chunk
+  std::string precision = "fp32";  // fp32 or bf16 (autocast)
+};
+
+nlohmann::json run_train_bench(const TrainBenchConfig& cfg);
+
+}  // namespace hax::bench

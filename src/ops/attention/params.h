@@ -1,0 +1,106 @@
+// Plain parameters of the sparse attention kernels and the CUDA launchers (no LibTorch: the .cu
+// files include this). See attention.h for the definition of the op.
+#pragma once
+#include <cstdint>
+
+#include "ops/kernel_dtype.h"
+
+namespace hax::ops {
+
+// How the kernels compute a block of queries (consecutive in q_order). Every path gives the same
+// result up to rounding; kAuto is the fast choice, the others exist for tests and benchmarks.
+// (The CPU kernels read it; the CUDA kernels have one path.)
+enum class AttentionPath {
+  kAuto,      // dense tiles over the block's key union when it is small (queries share keys), else per query
+  kTiles,     // always dense tiles (the union's size is then only bounded by the block's S·K per query)
+  kPerQuery,  // always per-query gathers of the listed keys
+};
+
+// Raw-pointer parameters of the forward (all tensors contiguous; q, k, v, bias, seg_w, out of one
+// floating dtype: float32/float64 on the CPU, float32/bfloat16 on CUDA).
+struct AttentionParams {
+  int64_t batch = 0, seqlen = 0, keylen = 0, nheads = 0, dim = 0, vdim = 0, nseg = 0, maxkeys = 0;
+  double scale = 1.0;             // score multiplier, e.g. 1/sqrt(D) (double, so that float64 runs are exact)
+  const void* q = nullptr;        // (B, L, H, D)
+  const void* k = nullptr;        // (B, Lk, H, D)
+  const void* v = nullptr;        // (B, Lk, H, Dv)
+  const int32_t* idx = nullptr;   // (B, H, L, S, K) key positions in [0, Lk), -1 = none; no duplicates in a segment
+  const void* bias = nullptr;     // (B, H, Lk) additive per-key score bias, or null
+  const void* seg_w = nullptr;    // (B, H, L, S) segment weights, or null (all 1)
+  const int32_t* q_order = nullptr;  // (B, H, L) permutation of queries: consecutive ones are computed
+                                     // together and should share keys (speed only), or null (0..L-1)
+  void* out = nullptr;            // out (B, L, H, Dv)
+  void* lse = nullptr;            // out (B, H, L, S) log-sum-exp of each segment's scores (-inf if empty);
+                                  // float32 on CUDA, the input dtype on the CPU
+  AttentionPath path = AttentionPath::kAuto;
+};
+
+// Raw-pointer parameters of the backward. On the CPU every gradient has the input dtype. On CUDA,
+// dq and dseg_w have the input dtype, while dk, dv and dbias are float32 accumulators (the binding
+// casts them): zeroed by the binding unless `deterministic`, in which case the kernels write every
+// element.
+struct AttentionGradParams {
+  AttentionParams fwd;            // inputs, and lse from the forward
+  const void* dout = nullptr;     // (B, L, H, Dv)
+  const void* dlse = nullptr;     // (B, H, L, S) gradient of lse (float32 on CUDA), or null (zero)
+  void* dq = nullptr;             // out (B, L, H, D)
+  void* dk = nullptr;             // out (B, Lk, H, D)
+  void* dv = nullptr;             // out (B, Lk, H, Dv)
+  void* dbias = nullptr;          // out (B, H, Lk), or null when there is no bias
+  void* dseg_w = nullptr;         // out (B, H, L, S), or null when there are no weights
+  // CUDA only.
+  bool deterministic = false;     // sum dk, dv, dbias per key in a fixed order (key_entries) instead
+                                  // of with float atomics
+  const int32_t* key_entries = nullptr;  // deterministic: (B*H, L*S*K) for each (b, h), the list entries
+                                         // e = (i*S + s)*K + t sorted by their key, stable (ascending e
+                                         // within a key); padding entries (-1) come first
+  const int32_t* key_start = nullptr;    // deterministic: (B*H, Lk + 1) position in key_entries of
+                                         // the first entry of key j; key_start[Lk] = end of key Lk-1
+  // Deterministic: the key pass splits each key's entries into work chunks of at most
+  // kAttentionKeyChunk entries (a key every list names would otherwise be one long serial sum).
+  const int64_t* key_chunk_start = nullptr;    // (B*H*Lk + 1) first chunk of key (b, h, j) at [bh*Lk + j]:
+                                               // exclusive prefix sum of max(1, ceil(entries / kAttentionKeyChunk))
+  const int64_t* key_partial_start = nullptr;  // (B*H*Lk + 1) first partial row of a key of several chunks
+                                               // (exclusive prefix sum of its chunk count, 0 for one chunk)
+  int64_t key_chunks = 0;                      // key_chunk_start[B*H*Lk]
+  float* key_partials = nullptr;               // (key_partial_start[B*H*Lk], D + Dv + 1) per-chunk sums
+                                               // Σ dscore q, Σ w a dO, Σ dscore of keys of several chunks
+  float* workspace = nullptr;     // float32 scratch of sparse_attention_cuda_workspace(*this) entries
+};
+
+// Entries per work chunk of the deterministic key pass.
+constexpr int64_t kAttentionKeyChunk = 256;
+
+// CUDA launch shape shared by the launchers and the workspace size: a group of G lanes (4, 8, 16
+// or 32) computes one query (or, in the backward's key pass, one key); each lane holds 4 of the
+// head's max(D, Dv) <= 4·G dims. A CTA has kAttentionCudaThreads threads.
+constexpr int kAttentionCudaThreads = 256;
+inline int attention_cuda_group(int64_t dim, int64_t vdim) {
+  const int64_t m = dim > vdim ? dim : vdim;
+  return m <= 16 ? 4 : m <= 32 ? 8 : m <= 64 ? 16 : 32;
+}
+// The largest head dim (D and Dv) the CUDA kernels take.
+constexpr int64_t kAttentionCudaMaxDim = 128;
+
+// Whether the CUDA backward keeps each group's per-entry (softmax weight, dp) of one segment in
+// shared memory (K·8 bytes per group), rather than in the global workspace.
+inline bool attention_cuda_entries_in_smem(const AttentionParams& p) {
+  const int64_t groups = kAttentionCudaThreads / attention_cuda_group(p.dim, p.vdim);
+  return groups * p.maxkeys * 8 <= 48 * 1024;
+}
+
+// Float32 entries of scratch the CUDA backward needs: two per list entry (2·B·H·L·S·K) in
+// deterministic mode (each entry's dscore and w·a for the per-key pass) or when a segment's
+// entries do not fit in shared memory; otherwise none.
+inline int64_t sparse_attention_cuda_workspace(const AttentionGradParams& gp) {
+  const AttentionParams& p = gp.fwd;
+  if (!gp.deterministic && attention_cuda_entries_in_smem(p)) return 0;
+  return 2 * p.batch * p.nheads * p.seqlen * p.nseg * p.maxkeys;
+}
+
+// CUDA kernels (float32 or bfloat16 storage, float32 math; D, Dv <= 128); `stream` is a
+// cudaStream_t. See cuda/forward.cu and cuda/backward.cu.
+void sparse_attention_forward_cuda(const AttentionParams& p, DType dtype, void* stream);
+void sparse_attention_backward_cuda(const AttentionGradParams& p, DType dtype, void* stream);
+
+}  // namespace hax::ops

@@ -1,0 +1,415 @@
+// Causal attention of bfloat16 tensors on tensor cores: the same algorithm as simt.cu (whose
+// header has it; cpu.cpp has the formulas), with every tile product an mma.sync m16n8k16
+// (bfloat16 operands, float32 accumulation). Scores, the softmax and all accumulators are float32;
+// P and dS are rounded to bfloat16 to enter the second product of each step (as in
+// FlashAttention-2).
+//
+// A block is 4 warps and owns 64 rows (queries for the forward and dQ, keys for dK/dV); warp w
+// owns rows 16w..16w+15 and loops over column tiles (keys, resp. queries) of BN. Operand tiles sit
+// in shared memory row-major, (rows, DB + 8) bfloat16 (8 entries of padding: the fragment reads
+// below hit 32 distinct banks). Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
+//   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16 x 8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C (16 x 8, float):      c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+// The C fragments of two adjacent 8-column tiles are exactly the A fragment of a 16-wide k step,
+// so P (resp. dS) goes from the first product to the second in registers. A B operand stored with
+// k contiguous (K for S = Q K^T) is read 32 bits at a time; one stored with n contiguous (V for
+// O = P V) is assembled from two 16-bit reads.
+//
+// forward: S = Q K^T, online softmax (per-thread partial row sums, reduced over the row's 4 lanes
+//   at the end), O += P V.
+// dQ: S = Q K^T, dP = dO V^T, dS = P ∘ (dP - Δ), dQ += dS K.
+// dK, dV: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+// No atomics: each gradient entry is accumulated by one thread in a fixed order.
+#include <algorithm>
+#include <cstdint>
+
+#include "ops/causal_attention/cuda/kernels.cuh"
+#include "ops/causal_attention/cuda/tiles.cuh"
+
+namespace hax::ops::causal_cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kRows = 64;      // rows per block, 16 per warp
+
+// Whether tiles can be copied 16 bytes at a time (head dim a multiple of 8, base 16-byte aligned).
+struct VecLoads {
+  bool qk = false;  // q, k (D)
+  bool v = false;   // v, dout (Dv)
+};
+
+inline bool aligned16(const void* ptr) { return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+__device__ __forceinline__ uint32_t ld32(const bf16* ptr) { return *reinterpret_cast<const uint32_t*>(ptr); }
+// Two bfloat16 from separate addresses in one register, `lo` in the low half.
+__device__ __forceinline__ uint32_t ld_pair(const bf16* lo, const bf16* hi) {
+  return (uint32_t)__bfloat16_as_ushort(*lo) | ((uint32_t)__bfloat16_as_ushort(*hi) << 16);
+}
+// Two floats rounded to bfloat16 in one register, `lo` in the low half (the lower k index).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(lo)) |
+         ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
+}
+
+// c += A B for one m16n8k16 tile.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A fragment of rows r0..r0+15, columns k0..k0+15 of the row-major tile X (row stride S).
+template <int S>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, int k0, int g, int t) {
+  const bf16* p = X + (r0 + g) * S + k0 + 2 * t;
+  a[0] = ld32(p);
+  a[1] = ld32(p + 8 * S);
+  a[2] = ld32(p + 8);
+  a[3] = ld32(p + 8 * S + 8);
+}
+
+// B fragment (k0..k0+15) x (n0..n0+7) of B = Y^T, Y row-major (n, k) with row stride S.
+template <int S>
+__device__ __forceinline__ void load_b_nk(uint32_t& b0, uint32_t& b1, const bf16* Y, int n0, int k0, int g, int t) {
+  const bf16* p = Y + (n0 + g) * S + k0 + 2 * t;
+  b0 = ld32(p);
+  b1 = ld32(p + 8);
+}
+
+// B fragment (k0..k0+15) x (n0..n0+7) of B = Y, Y row-major (k, n) with row stride S.
+template <int S>
+__device__ __forceinline__ void load_b_kn(uint32_t& b0, uint32_t& b1, const bf16* Y, int k0, int n0, int g, int t) {
+  const bf16* p = Y + (k0 + 2 * t) * S + n0 + g;
+  b0 = ld_pair(p, p + S);
+  b1 = ld_pair(p + 8 * S, p + 9 * S);
+}
+
+// The A fragment of k step kk (columns 16kk..16kk+15) from the C fragments of a (16, 8 NT) tile.
+template <int NT>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
+  a[0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S).
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, int g, int t) {
+#pragma unroll
+  for (int ks = 0; ks < DB / 16; ++ks) {
+    uint32_t a[4];
+    load_a<S>(a, X, r0, ks * 16, g, t);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint32_t b0, b1;
+      load_b_nk<S>(b0, b1, Y, nt * 8, ks * 16, g, t);
+      mma(s[nt], a, b0, b1);
+    }
+  }
+}
+
+// acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S).
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
+                                                int g, int t) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    uint32_t a[4];
+    c_to_a<NT>(a, pc, kk);
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt) {
+      uint32_t b0, b1;
+      load_b_kn<S>(b0, b1, Y, kk * 16, nt * 8, g, t);
+      mma(acc[nt], a, b0, b1);
+    }
+  }
+}
+
+// Max and sum over the 4 lanes of a fragment row (lanes 4g..4g+3).
+__device__ __forceinline__ float max4(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float sum4(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Writes rows row[0], row[1] of a (16, DB) accumulator times `mul[r]` to dst (row stride `stride`,
+// columns < ncols, rows < L).
+template <int DB>
+__device__ __forceinline__ void store_rows(bf16* dst, int64_t stride, const float (&acc)[DB / 8][4],
+                                           const int (&row)[2], const float (&mul)[2], int L, int ncols, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row[r] >= L) continue;
+    bf16* out = dst + (int64_t)row[r] * stride;
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int d = nt * 8 + 2 * t + c;
+        if (d < ncols) out[d] = __float2bfloat16(acc[nt][2 * r + c] * mul[r]);
+      }
+  }
+}
+
+template <int DB>
+struct FwdCfg {
+  static constexpr int BN = 64, S = DB + 8;
+  static constexpr size_t smem = sizeof(bf16) * (kRows + 2 * BN) * S;  // sQ, sK, sV
+};
+
+template <int DB>
+__global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec) {
+  constexpr int BN = FwdCfg<DB>::BN, S = FwdCfg<DB>::S, NT = BN / 8, DT = DB / 8;
+  extern __shared__ uint4 smem_u4[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
+  bf16* sK = sQ + kRows * S;
+  bf16* sV = sK + BN * S;
+  const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
+  const int bh = bh_of(dm), b = bh / H, h = bh % H, i0 = tile_of(dm, true) * kRows;
+  const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
+  const int64_t off_qk = ((int64_t)b * L * H + h) * dm.D, off_v = ((int64_t)b * L * H + h) * dm.Dv;
+  const bf16* q = (const bf16*)p.q + off_qk;
+  const bf16* k = (const bf16*)p.k + off_qk;
+  const bf16* v = (const bf16*)p.v + off_v;
+  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+
+  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};  // the thread's two query rows
+  int lo[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) lo[r] = row[r] < L ? first_key(seq, dm.W, row[r]) : INT_MAX;
+  const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
+  load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
+
+  float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int kt = kt_begin; kt <= kt_end; ++kt) {
+    const int j0 = kt * BN;
+    __syncthreads();  // the previous tile's sK, sV are read
+    load_rows_bf16(sK, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
+    load_rows_bf16(sV, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
+    __syncthreads();
+    float s[NT][4] = {};
+    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
+        s[nt][e] = (j <= row[r] && j >= lo[r]) ? s[nt][e] * dm.scale2 : -INFINITY;
+        mx[r] = fmaxf(mx[r], s[nt][e]);
+      }
+    float m_use[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m[r], max4(mx[r]));
+      m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
+      alpha[r] = exp2f(m[r] - m_use[r]);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
+        l[e / 2] += s[nt][e];
+      }
+#pragma unroll
+    for (int nt = 0; nt < DT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
+    warp_accumulate<DB, NT, S>(o, s, sV, g, t);
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = sum4(l[r]);
+    inv[r] = 1.f / l[r];
+  }
+  store_rows<DB>((bf16*)p.out + off_v, sv, o, row, inv, L, dm.Dv, t);
+  float* lse = (float*)p.lse + (int64_t)bh * L;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    if (t == 0 && row[r] < L) lse[row[r]] = m[r] * kLn2 + logf(l[r]);
+}
+
+template <int DB>
+struct DqCfg {
+  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8;
+  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * BN) * S;  // sQ, sdO, sK, sV
+};
+
+template <int DB>
+__global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
+  constexpr int BN = DqCfg<DB>::BN, S = DqCfg<DB>::S, NT = BN / 8, DT = DB / 8;
+  const CausalAttentionParams& p = gp.fwd;
+  extern __shared__ uint4 smem_u4[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
+  bf16* sdO = sQ + kRows * S;
+  bf16* sK = sdO + kRows * S;
+  bf16* sV = sK + BN * S;
+  const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
+  const int bh = bh_of(dm), b = bh / H, h = bh % H, i0 = tile_of(dm, true) * kRows;
+  const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
+  const int64_t off_qk = ((int64_t)b * L * H + h) * dm.D, off_v = ((int64_t)b * L * H + h) * dm.Dv;
+  const bf16* q = (const bf16*)p.q + off_qk;
+  const bf16* k = (const bf16*)p.k + off_qk;
+  const bf16* v = (const bf16*)p.v + off_v;
+  const bf16* dout = (const bf16*)gp.dout + off_v;
+  const float* lse = (const float*)p.lse + (int64_t)bh * L;
+  const float* delta = (const float*)gp.workspace + (int64_t)bh * L;
+  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+
+  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
+  int lo[2];
+  float lse2[2], dl[2];  // lse in base 2 and Δ of the two rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool in = row[r] < L;
+    lo[r] = in ? first_key(seq, dm.W, row[r]) : INT_MAX;
+    lse2[r] = in ? lse[row[r]] * kLog2e : 0.f;
+    dl[r] = in ? delta[row[r]] : 0.f;
+  }
+  const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
+  load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
+  load_rows_bf16(sdO, S, dout, sv, i0, kRows, L, dm.Dv, DB, vec.v);
+
+  float acc[DT][4] = {};
+  for (int kt = kt_begin; kt <= kt_end; ++kt) {
+    const int j0 = kt * BN;
+    __syncthreads();
+    load_rows_bf16(sK, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
+    load_rows_bf16(sV, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
+    __syncthreads();
+    float s[NT][4] = {}, dp[NT][4] = {};
+    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
+    warp_dot<DB, NT, S>(dp, sdO, r0, sV, g, t);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
+        const float pr = (j <= row[r] && j >= lo[r]) ? exp2f(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
+        s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
+      }
+    warp_accumulate<DB, NT, S>(acc, s, sK, g, t);  // dQ += dS K
+  }
+  const float scale[2] = {(float)p.scale, (float)p.scale};
+  store_rows<DB>((bf16*)gp.dq + off_qk, sqk, acc, row, scale, L, dm.D, t);
+}
+
+template <int DB>
+struct DkdvCfg {
+  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8;  // BN queries per step
+  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * BN) * S + sizeof(float) * 2 * BN;
+};
+
+template <int DB>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
+  constexpr int BN = DkdvCfg<DB>::BN, S = DkdvCfg<DB>::S, NT = BN / 8, DT = DB / 8;
+  const CausalAttentionParams& p = gp.fwd;
+  extern __shared__ uint4 smem_u4[];
+  bf16* sK = reinterpret_cast<bf16*>(smem_u4);
+  bf16* sV = sK + kRows * S;
+  bf16* sQ = sV + kRows * S;
+  bf16* sdO = sQ + BN * S;
+  float* sLse2 = reinterpret_cast<float*>(sdO + BN * S);  // 16-byte aligned: S is a multiple of 8
+  float* sDl = sLse2 + BN;
+  const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
+  const int bh = bh_of(dm), b = bh / H, h = bh % H, j0 = tile_of(dm, false) * kRows;
+  const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
+  const int64_t off_qk = ((int64_t)b * L * H + h) * dm.D, off_v = ((int64_t)b * L * H + h) * dm.Dv;
+  const bf16* q = (const bf16*)p.q + off_qk;
+  const bf16* k = (const bf16*)p.k + off_qk;
+  const bf16* v = (const bf16*)p.v + off_v;
+  const bf16* dout = (const bf16*)gp.dout + off_v;
+  const float* lse = (const float*)p.lse + (int64_t)bh * L;
+  const float* delta = (const float*)gp.workspace + (int64_t)bh * L;
+  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+
+  const int row[2] = {j0 + r0 + g, j0 + r0 + g + 8};  // the thread's two key rows
+  int hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) hi[r] = row[r] < L ? last_query(seq, L, dm.W, row[r]) : -1;
+  const int qt_begin = j0 / BN, qt_end = last_query(seq, L, dm.W, min(j0 + kRows - 1, L - 1)) / BN;
+  load_rows_bf16(sK, S, k, sqk, j0, kRows, L, dm.D, DB, vec.qk);
+  load_rows_bf16(sV, S, v, sv, j0, kRows, L, dm.Dv, DB, vec.v);
+
+  float dk[DT][4] = {}, dv[DT][4] = {};
+  for (int qt = qt_begin; qt <= qt_end; ++qt) {
+    const int i0 = qt * BN;
+    __syncthreads();  // the previous tile's sQ, sdO, sLse2, sDl are read
+    load_rows_bf16(sQ, S, q, sqk, i0, BN, L, dm.D, DB, vec.qk);
+    load_rows_bf16(sdO, S, dout, sv, i0, BN, L, dm.Dv, DB, vec.v);
+    for (int c = threadIdx.x; c < BN; c += kThreads) {
+      const int i = i0 + c;
+      sLse2[c] = i < L ? lse[i] * kLog2e : 0.f;
+      sDl[c] = i < L ? delta[i] : 0.f;
+    }
+    __syncthreads();
+    float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
+    warp_dot<DB, NT, S>(st, sK, r0, sQ, g, t);
+    warp_dot<DB, NT, S>(dpt, sV, r0, sdO, g, t);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c;
+        const float pr = (i >= row[r] && i <= hi[r]) ? exp2f(st[nt][e] * dm.scale2 - sLse2[c]) : 0.f;
+        st[nt][e] = pr;
+        dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
+      }
+    warp_accumulate<DB, NT, S>(dv, st, sdO, g, t);  // dV += P^T dO
+    warp_accumulate<DB, NT, S>(dk, dpt, sQ, g, t);  // dK += dS^T Q
+  }
+  const float scale[2] = {(float)p.scale, (float)p.scale}, one[2] = {1.f, 1.f};
+  store_rows<DB>((bf16*)gp.dk + off_qk, sqk, dk, row, scale, L, dm.D, t);
+  store_rows<DB>((bf16*)gp.dv + off_v, sv, dv, row, one, L, dm.Dv, t);
+}
+
+VecLoads vec_loads(const CausalAttentionParams& p, const void* dout) {
+  VecLoads vec;
+  vec.qk = p.dim % 8 == 0 && aligned16(p.q) && aligned16(p.k);
+  vec.v = p.vdim % 8 == 0 && aligned16(p.v) && (dout == nullptr || aligned16(dout));
+  return vec;
+}
+
+}  // namespace
+
+void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
+  const Dims dm = make_dims(p, kRows);
+  const unsigned grid = grid_size(dm);
+  const VecLoads vec = vec_loads(p, nullptr);
+  HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
+    constexpr size_t smem = FwdCfg<DB>::smem;
+    allow_smem(forward_kernel<DB>, smem, "causal_attention_forward_cuda");
+    forward_kernel<DB><<<grid, kThreads, smem, stream>>>(p, dm, vec);
+  });
+  cuda::check_launch("causal_attention_forward_cuda (tensor cores)");
+}
+
+void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
+  const Dims dm = make_dims(gp.fwd, kRows);
+  const unsigned grid = grid_size(dm);
+  const VecLoads vec = vec_loads(gp.fwd, gp.dout);
+  HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
+    constexpr size_t smem_q = DqCfg<DB>::smem, smem_kv = DkdvCfg<DB>::smem;
+    allow_smem(dq_kernel<DB>, smem_q, "causal_attention_backward_cuda");
+    allow_smem(dkdv_kernel<DB>, smem_kv, "causal_attention_backward_cuda");
+    dq_kernel<DB><<<grid, kThreads, smem_q, stream>>>(gp, dm, vec);
+    dkdv_kernel<DB><<<grid, kThreads, smem_kv, stream>>>(gp, dm, vec);
+  });
+  cuda::check_launch("causal_attention_backward_cuda (tensor cores)");
+}
+
+}  // namespace hax::ops::causal_cuda

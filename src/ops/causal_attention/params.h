@@ -1,0 +1,49 @@
+// Plain parameters of the causal (sliding-window, packed) attention kernels and the CUDA launchers
+// (no LibTorch: the .cu files include this). See causal_attention.h for the definition.
+#pragma once
+#include <cstdint>
+
+#include "ops/kernel_dtype.h"
+
+namespace hax::ops {
+
+// Raw-pointer parameters of the kernels (all tensors contiguous; q, k, v, out share one dtype).
+struct CausalAttentionParams {
+  int64_t batch = 0, seqlen = 0, nheads = 0, dim = 0, vdim = 0;  // B, L, H, D, Dv
+  int64_t window = 0;             // keys per query at most (0 = all earlier keys)
+  double scale = 1.0;             // score multiplier, e.g. 1/sqrt(D) (double, so that float64 runs are exact)
+  const void* q = nullptr;        // (B, L, H, D)
+  const void* k = nullptr;        // (B, L, H, D)
+  const void* v = nullptr;        // (B, L, H, Dv)
+  const int32_t* seq_idx = nullptr;  // (B, L) packed sequence numbers (non-decreasing), or null
+  void* out = nullptr;            // out (B, L, H, Dv)
+  void* lse = nullptr;            // out (B, H, L): q's dtype on the CPU, always float32 on CUDA
+  bool tensor_cores = true;       // CUDA, bfloat16 only: mma.sync tiles (false: the float32 FMA tiles)
+};
+
+// Gradient parameters: the forward's inputs, out and lse, plus the output cotangents.
+struct CausalAttentionGradParams {
+  CausalAttentionParams fwd;      // inputs, out and lse of the forward
+  const void* dout = nullptr;     // (B, L, H, Dv)
+  const void* dlse = nullptr;     // (B, H, L) gradient of lse (lse's dtype), or null (zero)
+  void* dq = nullptr;             // out (B, L, H, D)
+  void* dk = nullptr;             // out (B, L, H, D)
+  void* dv = nullptr;             // out (B, L, H, Dv)
+  void* workspace = nullptr;      // CUDA only: float32 scratch of causal_attention_cuda_workspace(fwd) entries
+};
+
+// Float32 entries of scratch the CUDA backward needs: Δ_i = dO_i · O_i - dlse_i, (B, H, L).
+inline int64_t causal_attention_cuda_workspace(const CausalAttentionParams& p) {
+  return p.batch * p.nheads * p.seqlen;
+}
+
+// Largest head dim (D and Dv) the CUDA kernels take.
+constexpr int64_t kCausalAttentionCudaMaxDim = 128;
+
+// CUDA kernels (float32 or bfloat16 storage, float32 math); `stream` is a cudaStream_t. lse (and
+// dlse) are float32. Deterministic (no atomics: every gradient entry is summed by one thread in a
+// fixed order). Need L < 2^31 and D, Dv <= kCausalAttentionCudaMaxDim.
+void causal_attention_forward_cuda(const CausalAttentionParams& p, DType dtype, void* stream);
+void causal_attention_backward_cuda(const CausalAttentionGradParams& p, DType dtype, void* stream);
+
+}  // namespace hax::ops

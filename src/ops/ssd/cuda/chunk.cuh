@@ -1,0 +1,216 @@
+// Kernels that the SSD forward and backward share: per-sub-chunk decays, C B^T, the sub-chunks'
+// local states (and, by the same product, the backward's local state gradients), and the
+// sequential pass of states over the sub-chunks. Notation as in cpu.cpp: for a sub-chunk of
+// `len` steps starting at t0, with local steps i, j:
+//   cs_i = Σ_{t<=i} dt_t A              (inclusive, within the sub-chunk)
+//   s_i  = seq_idx[t0 + i],  s_prev = seq_idx[t0 - 1] (seq_idx[0] when t0 = 0),  s_last = s_{len-1}
+//   w_j  = [s_j = s_last] exp(cs_last - cs_j)   weight of step j in the state leaving the sub-chunk
+//   re_i = [s_i = s_prev] exp(cs_i)             weight of the entering state in y_i
+//   g    = [s_last = s_prev] exp(cs_last)       decay of the entering state across the sub-chunk
+//   S_leave = g S_enter + Σ_j w_j (dt_j x_j) B_j^T
+#pragma once
+#include "ops/ssd/cuda/tile.cuh"
+#include "ops/ssd/params.h"
+
+namespace hax::ops::ssd_cuda {
+
+constexpr int kPassThreads = 256;  // threads of the state-passing kernels (one state entry each)
+
+// Where a sub-chunk lies and the sequence numbers around it.
+struct Sub {
+  int64_t t0;      // first step
+  int len;         // steps, 1..64
+  int32_t s_prev;  // sequence of the step before (of step 0 for the first sub-chunk)
+  int32_t s_last;  // sequence of the last step
+};
+
+__device__ __forceinline__ Sub sub_of(const SsdParams& p, int64_t b, int64_t s) {
+  Sub u;
+  u.t0 = p.sub_start(s);
+  u.len = (int)p.sub_size(s);
+  const int32_t* seq = p.seq_idx ? p.seq_idx + b * p.seqlen : nullptr;
+  u.s_prev = seq ? seq[u.t0 > 0 ? u.t0 - 1 : 0] : 0;
+  u.s_last = seq ? seq[u.t0 + u.len - 1] : 0;
+  return u;
+}
+
+// Per-step values of one (row, head, sub-chunk) in shared memory: cs, sequence numbers, dt.
+struct StepVals {
+  float cs[kT];
+  int32_t seq[kT];
+  float dt[kT];
+};
+
+// Loads StepVals for head h (threads < 64, one step each; call __syncthreads() before use).
+template <class T>
+__device__ __forceinline__ void load_steps(const SsdParams& p, const SsdScratch& w, int64_t b, int64_t h, int64_t s,
+                                           const Sub& u, StepVals& sv) {
+  const int i = threadIdx.x;
+  if (i >= kT) return;
+  const int64_t S = p.nsubs();
+  sv.cs[i] = w.cs[((b * p.nheads + h) * S + s) * kT + i];
+  const bool in = i < u.len;
+  sv.seq[i] = in && p.seq_idx ? p.seq_idx[b * p.seqlen + u.t0 + i] : 0;
+  sv.dt[i] = in ? to_f32(((const T*)p.dt)[(b * p.seqlen + u.t0 + i) * p.nheads + h]) : 0.f;
+}
+
+// cs and the decay g of every (row, head, sub-chunk): one thread each, steps in order (the CPU's
+// summation order). Thread index ((b S + s) H + h): neighbouring threads read neighbouring dt.
+template <class T>
+__global__ void prep_kernel(SsdParams p, SsdScratch w) {
+  const int64_t H = p.nheads, S = p.nsubs();
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= p.batch * S * H) return;
+  const int64_t h = idx % H, s = (idx / H) % S, b = idx / (H * S);
+  const Sub u = sub_of(p, b, s);
+  const float A = to_f32(((const T*)p.A)[h]);
+  const T* dt = (const T*)p.dt + (b * p.seqlen + u.t0) * H + h;
+  float* cs = w.cs + ((b * H + h) * S + s) * kT;
+  float acc = 0.f;
+  for (int i = 0; i < u.len; ++i) {
+    acc += to_f32(dt[i * H]) * A;
+    cs[i] = acc;
+  }
+  for (int i = u.len; i < kT; ++i) cs[i] = acc;  // padding, never used as a valid step
+  w.decay[(b * H + h) * S + s] = u.s_last == u.s_prev ? expf(acc) : 0.f;
+}
+
+// cb(i, j) = C_i . B_j for every (row, group, sub-chunk), 64 x 64 (zero outside the sub-chunk).
+// Grid: S * B * G blocks, block s + S (b G + g).
+template <class T>
+__global__ void __launch_bounds__(kThreads) cb_kernel(SsdParams p, SsdScratch w) {
+  using S_t = typename Operand<T>::S;
+  __shared__ __align__(16) S_t sA[kSlabSize<T>];
+  __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  const int64_t S = p.nsubs(), G = p.ngroups, N = p.dstate;
+  const int64_t s = blockIdx.x % S, bg = blockIdx.x / S, b = bg / G, g = bg % G;
+  const Sub u = sub_of(p, b, s);
+  const int64_t ld = G * N;  // between steps of one group
+  const T* C = (const T*)p.Cm + ((b * p.seqlen + u.t0) * G + g) * N;
+  const T* Bm = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
+  Acc acc;
+  acc.zero();
+  for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
+    const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), ks = round16(kn);
+    stage<true>(sA, ks, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * ld + n0 + k]) : 0.f; });
+    stage<true>(sB, ks, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ld + n0 + k]) : 0.f; });
+    __syncthreads();
+    mma_slab(acc, sA, sB, ks);
+    __syncthreads();
+  }
+  float* out = w.cb + (int64_t)blockIdx.x * kT * kT;
+  for_each([&](int mi, int ni, int r, int i, int j, int, int) { out[i * kT + j] = acc.v[mi][ni][r]; });
+}
+
+// Local states of the sub-chunks, (N, P) per (row, head, sub-chunk):
+//   forward (kGrad false): out(n, p) = Σ_j (w_j dt_j B_j[n]) x_j[p]     (S_leave with S_enter = 0)
+//   backward (kGrad true): out(n, p) = Σ_i (re_i C_i[n]) dy_i[p]        (dS_enter from y's inter-chunk term)
+// The bracket is the computed (split) operand, x or dy enters as is.
+// Grid: (S * B * H, tiles of 64 n x 64 p); block s + S (b H + h). `out` holds (B, H, S, N, P).
+template <class T, bool kGrad>
+__global__ void __launch_bounds__(kThreads) local_state_kernel(SsdParams p, SsdScratch w, const T* v_src, float* out) {
+  using S_t = typename Operand<T>::S;
+  __shared__ __align__(16) S_t sA[kSlabSize<T>];
+  __shared__ __align__(16) S_t sL[kLoSize<T>];
+  __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ StepVals sv;
+  __shared__ float coef[kT];
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
+  const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
+  const int64_t tiles_p = (P + kT - 1) / kT, n0 = (blockIdx.y / tiles_p) * kT, p0 = (blockIdx.y % tiles_p) * kT;
+  const Sub u = sub_of(p, b, s);
+  load_steps<T>(p, w, b, h, s, u, sv);
+  __syncthreads();
+  if (threadIdx.x < kT) {
+    const int i = threadIdx.x;
+    float c = 0.f;
+    if (i < u.len) {
+      if (kGrad) c = sv.seq[i] == u.s_prev ? expf(sv.cs[i]) : 0.f;
+      else c = sv.seq[i] == u.s_last ? expf(sv.cs[u.len - 1] - sv.cs[i]) * sv.dt[i] : 0.f;
+    }
+    coef[i] = c;
+  }
+  __syncthreads();
+  const int64_t ldu = G * N, ldv = H * P;  // between steps
+  const T* U = (const T*)(kGrad ? p.Cm : p.Bm) + ((b * p.seqlen + u.t0) * G + g) * N + n0;
+  const T* V = v_src + ((b * p.seqlen + u.t0) * H + h) * P + p0;
+  const int ks = round16(u.len);
+  // A(n, j) = coef_j U_j[n], B(p, j) = V_j[p]; both contiguous along n / p in global memory.
+  stage_split<false>(sA, sL, ks, [&](int n, int j) {
+    return j < u.len && n0 + n < N ? coef[j] * to_f32(U[j * ldu + n]) : 0.f;
+  });
+  stage<false>(sB, ks, [&](int q, int j) { return j < u.len && p0 + q < P ? to_f32(V[j * ldv + q]) : 0.f; });
+  __syncthreads();
+  Acc acc;
+  acc.zero();
+  mma_split_a(acc, sA, sL, sB, ks);
+  float* o = out + (bh * S + s) * N * P;
+  for_each([&](int mi, int ni, int r, int n, int q, int, int) {
+    if (n0 + n < N && p0 + q < P) o[(n0 + n) * P + p0 + q] = acc.v[mi][ni][r];
+  });
+}
+
+// The sequential pass over sub-chunks, one thread per state entry (n, p) of a (row, head):
+//   kReverse false: states[s] holds the local states; replaced by the state entering each
+//     sub-chunk, run = g run + local from the initial state (zeros without one). Without
+//     `seed`: writes the final state and, when chunks have several sub-chunks, chunk_states.
+//     With `seed` (backward recompute): run restarts from chunk_states at each chunk.
+//   kReverse true (backward): states[s] holds the local state gradients; replaced by the gradient
+//     of the state leaving each sub-chunk, from dfinal (zeros without one) back to dinit.
+// Grid: B * H * ceil(N P / 256) blocks of 256.
+template <class T, bool kReverse>
+__global__ void __launch_bounds__(kPassThreads) state_pass_kernel(SsdParams p, SsdScratch w, float* states,
+                                                                   bool seed, const T* dfinal, T* dinit) {
+  const int64_t S = p.nsubs(), N = p.dstate, P = p.headdim, NP = N * P;
+  const int64_t per = (NP + kPassThreads - 1) / kPassThreads;
+  const int64_t bh = blockIdx.x / per, e = (blockIdx.x % per) * kPassThreads + threadIdx.x;
+  if (e >= NP) return;
+  const int64_t n = e / P, q = e % P;
+  const int64_t spc = p.subs_per_chunk();
+  float* st = states + bh * S * NP + e;
+  const float* dec = w.decay + bh * S;
+  float* cst = (float*)p.chunk_states + bh * p.nchunks() * NP + e;
+  const int64_t pn = (bh * P + q) * N + n;  // entry (q, n) of a (B, H, P, N) state
+  // Steps go in groups of kAhead whose loads are issued before the dependent updates, so that
+  // enough loads are in flight to stream the states at memory bandwidth.
+  constexpr int kAhead = 8;
+  if (!kReverse) {
+    float run = !seed && p.init_state ? to_f32(((const T*)p.init_state)[pn]) : 0.f;
+    for (int64_t s0 = 0; s0 < S; s0 += kAhead) {
+      float loc[kAhead], dg[kAhead];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k)
+        if (s0 + k < S) loc[k] = st[(s0 + k) * NP], dg[k] = dec[s0 + k];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) {
+        const int64_t s = s0 + k;
+        if (s >= S) break;
+        if (s % spc == 0) {
+          if (seed) run = cst[(s / spc) * NP];
+          else if (spc > 1) cst[(s / spc) * NP] = run;
+        }
+        st[s * NP] = run;
+        run = dg[k] * run + loc[k];
+      }
+    }
+    if (!seed) ((T*)p.final_state)[pn] = from_f32<T>(run);
+  } else {
+    float run = dfinal ? to_f32(dfinal[pn]) : 0.f;
+    for (int64_t s0 = S - 1; s0 >= 0; s0 -= kAhead) {
+      float loc[kAhead], dg[kAhead];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k)
+        if (s0 - k >= 0) loc[k] = st[(s0 - k) * NP], dg[k] = dec[s0 - k];
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k) {
+        const int64_t s = s0 - k;
+        if (s < 0) break;
+        st[s * NP] = run;
+        run = dg[k] * run + loc[k];
+      }
+    }
+    if (dinit) dinit[pn] = from_f32<T>(run);
+  }
+}
+
+}  // namespace hax::ops::ssd_cuda

@@ -1,0 +1,347 @@
+// CUDA backward of the chunked SSD scan (cpu.cpp's backward_impl is the reference and states the
+// gradient formulas; notation in chunk.cuh). Per (row, head, sub-chunk), with M = cb ∘ Gm the
+// masked decayed matrix (Gm_ij = [j<=i][s_i=s_j] exp(cs_i - cs_j)), dS the gradient of the state
+// leaving the sub-chunk and S the state entering it:
+//   dXd_j   = w_j Σ_n B_j[n] dS[n][.] + Σ_i M_ij dy_i              dx = dt dXd
+//   dM_ij   = dy_i . Xd_j,  dCB = dM ∘ Gm (summed over the group's heads)
+//   dB_j    = Σ_heads w_j Xd_j^T dS + Σ_i dCB_ij C_i,   dC_i = Σ_heads re_i dy_i^T S + Σ_j dCB_ij B_j
+//   dS_enter = g dS + Σ_i re_i C_i dy_i^T  (the reverse pass over sub-chunks; dinit at the start)
+//   d(cs_i)  = intra_i + u_i - v_i + [i = last] (Σ_j v_j + g <dS, S>), with
+//     intra_i = Σ_j dM_ij M_ij - Σ_j dM_ji M_ji,  v_j = Xd_j . (Σ_n w_j B_j[n] dS[n][.]),
+//     u_i = dy_i . (re_i Σ_n C_i[n] S[n][.])
+//   da_t = Σ_{i>=t} d(cs_i);  ddt_t = da_t A + x_t . dXd_t;  dA = Σ_t da_t dt_t.
+// Launches, in order:
+//   1-2. prep_kernel, cb_kernel (as the forward)
+//   3.   with several sub-chunks per chunk: local states + a pass restarted from chunk_states at
+//        each chunk, giving the entering state of every sub-chunk (else chunk_states has them)
+//   4.   local_state_kernel<kGrad>: Σ_i re_i C_i dy_i^T per sub-chunk
+//   5.   state_pass_kernel<kReverse>: dS of every sub-chunk, dinit
+//   6.   dx_kernel    per (row, head, sub-chunk): dx, and the per-step v, u, x.dXd, and g <dS, S>
+//   7.   dcb_kernel   per (row, group, sub-chunk), heads in order: dM, intra_i, dCB summed over heads
+//   8.   dbdc_kernel  per (row, group, sub-chunk, 64 columns of N, dB or dC): heads summed in the
+//                    product's k (no atomics)
+//   9.   ddt_kernel   one thread per (row, head, sub-chunk): d(cs), its reverse cumsum, ddt, dA
+//  10.   da_kernel    one thread per (row, head): dA_part summed over sub-chunks in order
+// Every reduction has a fixed order: the backward is deterministic.
+#include "ops/ssd/cuda/chunk.cuh"
+
+namespace hax::ops {
+namespace ssd_cuda {
+namespace {
+
+enum Row { kIntra = 0, kV = 1, kU = 2, kXdot = 3 };  // pieces of SsdScratch::rows
+
+__device__ __forceinline__ float* row_terms(const SsdParams& p, const SsdScratch& w, Row r, int64_t bhs) {
+  return w.rows + ((int64_t)r * p.batch * p.nheads * p.nsubs() + bhs) * kT;
+}
+
+// dx, v, u, x.dXd and g <dS, S> of one (row, head, sub-chunk), 64 columns of P at a time:
+//   X(j, p) = w_j Σ_n B_j[n] dS[n][p]        (then v_j = Σ_p dt_j x_j[p] X(j, p))
+//   Y(i, p) = re_i Σ_n C_i[n] S[n][p]        (then u_i = Σ_p dy_i[p] Y(i, p))
+//   X(j, p) += Σ_i M_ij dy_i[p]              (X = dXd: dx = dt X, x.dXd = Σ_p x_j[p] X(j, p))
+// B, C, dy enter as is; dS, S and M are split; w and re scale the accumulators.
+// Grid: S * B * H blocks; block s + S (b H + h).
+template <class T>
+__global__ void __launch_bounds__(kThreads) dx_kernel(SsdGradParams gp, SsdScratch w, const float* states) {
+  const SsdParams& p = gp.fwd;
+  using S_t = typename Operand<T>::S;
+  __shared__ __align__(16) S_t sA[kSlabSize<T>];
+  __shared__ __align__(16) S_t sL[kLoSize<T>];
+  __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ StepVals sv;
+  __shared__ float wj[kT], re[kT], scratch[2 * kT], red[kT];
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
+  const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
+  const Sub u = sub_of(p, b, s);
+  load_steps<T>(p, w, b, h, s, u, sv);
+  __syncthreads();
+  if (threadIdx.x < kT) {
+    const int i = threadIdx.x;
+    const bool in = i < u.len;
+    wj[i] = in && sv.seq[i] == u.s_last ? expf(sv.cs[u.len - 1] - sv.cs[i]) : 0.f;
+    re[i] = in && sv.seq[i] == u.s_prev ? expf(sv.cs[i]) : 0.f;
+  }
+  __syncthreads();
+  const int64_t ldx = H * P, ldn = G * N;  // between steps
+  const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P;
+  const T* dy = (const T*)gp.dy + ((b * p.seqlen + u.t0) * H + h) * P;
+  T* dx = (T*)gp.dx + ((b * p.seqlen + u.t0) * H + h) * P;
+  const T* Bm = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
+  const T* C = (const T*)p.Cm + ((b * p.seqlen + u.t0) * G + g) * N;
+  const float* cb = w.cb + ((b * G + g) * S + s) * kT * kT;
+  const float* st = states + (bh * S + s) * N * P;     // entry (n, p) at [n P + p]
+  const float* ds = w.dstates + (bh * S + s) * N * P;  // likewise
+  const int ks = round16(u.len);
+  float vpart[4] = {0.f, 0.f, 0.f, 0.f}, upart[4] = {0.f, 0.f, 0.f, 0.f}, xpart[4] = {0.f, 0.f, 0.f, 0.f};
+  float dot = 0.f;  // this thread's share of <dS, S>
+  for (int64_t p0 = 0; p0 < P; p0 += kT) {
+    Acc ax, ay;
+    ax.zero();
+    ay.zero();
+    for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
+      const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
+      stage<true>(sA, kk, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ldn + n0 + k]) : 0.f; });
+      stage_split<false>(sB, sL, kk, [&](int q, int k) {
+        return k < kn && p0 + q < P ? ds[(n0 + k) * P + p0 + q] : 0.f;
+      });
+      __syncthreads();
+      mma_split_b(ax, sA, sB, sL, kk);
+      __syncthreads();
+      stage<true>(sA, kk, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * ldn + n0 + k]) : 0.f; });
+      stage_split<false>(sB, sL, kk, [&](int q, int k) {
+        if (k >= kn || p0 + q >= P) return 0.f;
+        const int64_t e = (n0 + k) * P + p0 + q;  // each entry is staged once per block
+        const float v = st[e];
+        dot += v * ds[e];
+        return v;
+      });
+      __syncthreads();
+      mma_split_b(ay, sA, sB, sL, kk);
+      __syncthreads();
+    }
+    for_each([&](int mi, int ni, int r, int i, int q, int rs, int) {
+      ax.v[mi][ni][r] *= wj[i];
+      if (i < u.len && p0 + q < P) {
+        const int64_t o = i * ldx + p0 + q;
+        vpart[rs] += sv.dt[i] * to_f32(x[o]) * ax.v[mi][ni][r];
+        upart[rs] += to_f32(dy[o]) * re[i] * ay.v[mi][ni][r];
+      }
+    });
+    // Intra-sub-chunk part: A(j, i) = M_ij (cb is contiguous along j), B(p, i) = dy_i[p].
+    stage_split<false>(sA, sL, ks, [&](int j, int i) {
+      return i < u.len && j <= i && sv.seq[i] == sv.seq[j] ? cb[i * kT + j] * expf(sv.cs[i] - sv.cs[j]) : 0.f;
+    });
+    stage<false>(sB, ks, [&](int q, int i) { return i < u.len && p0 + q < P ? to_f32(dy[i * ldx + p0 + q]) : 0.f; });
+    __syncthreads();
+    mma_split_a(ax, sA, sL, sB, ks);
+    __syncthreads();
+    for_each([&](int mi, int ni, int r, int j, int q, int rs, int) {
+      if (j < u.len && p0 + q < P) {
+        const int64_t o = j * ldx + p0 + q;
+        const float d = ax.v[mi][ni][r];
+        dx[o] = from_f32<T>(sv.dt[j] * d);
+        xpart[rs] += to_f32(x[o]) * d;
+      }
+    });
+  }
+  const int64_t bhs = bh * S + s;
+  row_sums(vpart, scratch, red);
+  if (threadIdx.x < kT) row_terms(p, w, kV, bhs)[threadIdx.x] = red[threadIdx.x];
+  row_sums(upart, scratch, red);
+  if (threadIdx.x < kT) row_terms(p, w, kU, bhs)[threadIdx.x] = red[threadIdx.x];
+  row_sums(xpart, scratch, red);
+  if (threadIdx.x < kT) row_terms(p, w, kXdot, bhs)[threadIdx.x] = red[threadIdx.x];
+  const float total = block_sum(dot, scratch);
+  if (threadIdx.x == 0) w.dg[bhs] = w.decay[bhs] * total;
+}
+
+// dM = dy Xd^T per head of a group (dy x^T, scaled by dt_j), its intra_i terms, and
+// dCB = Σ_heads dM ∘ Gm (64 x 64). Grid: S * B * G blocks; block s + S (b G + g).
+template <class T>
+__global__ void __launch_bounds__(kThreads) dcb_kernel(SsdGradParams gp, SsdScratch w) {
+  const SsdParams& p = gp.fwd;
+  using S_t = typename Operand<T>::S;
+  __shared__ __align__(16) S_t sA[kSlabSize<T>];
+  __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ StepVals sv;
+  __shared__ float scratch[2 * kT], rowT[kT], colT[kT];
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, P = p.headdim, hpg = H / G;
+  const int64_t s = blockIdx.x % S, bg = blockIdx.x / S, b = bg / G, g = bg % G;
+  const Sub u = sub_of(p, b, s);
+  const float* cb = w.cb + (int64_t)blockIdx.x * kT * kT;
+  const int64_t ldx = H * P;
+  Acc dcb;
+  dcb.zero();
+  for (int64_t hh = 0; hh < hpg; ++hh) {
+    const int64_t h = g * hpg + hh;
+    __syncthreads();  // the previous head is done with sv
+    load_steps<T>(p, w, b, h, s, u, sv);
+    __syncthreads();
+    const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P;
+    const T* dy = (const T*)gp.dy + ((b * p.seqlen + u.t0) * H + h) * P;
+    Acc dm;
+    dm.zero();
+    for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
+      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
+      stage<true>(sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(dy[i * ldx + k0 + k]) : 0.f; });
+      stage<true>(sB, kk, [&](int j, int k) { return j < u.len && k < kp ? to_f32(x[j * ldx + k0 + k]) : 0.f; });
+      __syncthreads();
+      mma_slab(dm, sA, sB, kk);
+      __syncthreads();
+    }
+    float rp[4] = {0.f, 0.f, 0.f, 0.f}, cp[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for_each([&](int mi, int ni, int r, int i, int j, int rs, int cs) {
+      if (i < u.len && j <= i && sv.seq[i] == sv.seq[j]) {
+        const float gd = expf(sv.cs[i] - sv.cs[j]), d = dm.v[mi][ni][r] * sv.dt[j];  // dM_ij
+        const float t = d * cb[i * kT + j] * gd;                                        // dM_ij M_ij
+        rp[rs] += t;
+        cp[cs] += t;
+        dcb.v[mi][ni][r] += d * gd;
+      }
+    });
+    row_sums(rp, scratch, rowT);
+    col_sums(cp, scratch, colT);
+    if (threadIdx.x < kT)
+      row_terms(p, w, kIntra, (b * H + h) * S + s)[threadIdx.x] = rowT[threadIdx.x] - colT[threadIdx.x];
+  }
+  float* out = w.dcb + (int64_t)blockIdx.x * kT * kT;
+  for_each([&](int mi, int ni, int r, int i, int j, int, int) { out[i * kT + j] = dcb.v[mi][ni][r]; });
+}
+
+// dB (blockIdx.z = 0) or dC (1) of one (row, group, sub-chunk) and 64 columns of N:
+//   dB(j, n) = Σ_heads w_j dt_j Σ_p x_j[p] dS[n][p] + Σ_i dCB_ij C_i[n]
+//   dC(i, n) = Σ_heads re_i Σ_p dy_i[p] S[n][p]     + Σ_j dCB_ij B_j[n]
+// Each head's product (x or dy as is, dS or S split) is scaled by its row factors and added in
+// head order; then dCB (split) times C or B. Grid: (S * B * G, ceil(N / 64), 2).
+template <class T>
+__global__ void __launch_bounds__(kThreads) dbdc_kernel(SsdGradParams gp, SsdScratch w, const float* states) {
+  const SsdParams& p = gp.fwd;
+  using S_t = typename Operand<T>::S;
+  __shared__ __align__(16) S_t sA[kSlabSize<T>];
+  __shared__ __align__(16) S_t sL[kLoSize<T>];
+  __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ StepVals sv;
+  __shared__ float coef[kT];
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim, hpg = H / G;
+  const int64_t s = blockIdx.x % S, bg = blockIdx.x / S, b = bg / G, g = bg % G;
+  const int64_t n0 = (int64_t)blockIdx.y * kT;
+  const bool is_dc = blockIdx.z == 1;
+  const Sub u = sub_of(p, b, s);
+  const int64_t ldx = H * P, ldn = G * N;
+  Acc acc;
+  acc.zero();
+  for (int64_t hh = 0; hh < hpg; ++hh) {
+    const int64_t h = g * hpg + hh, bh = b * H + h;
+    __syncthreads();  // the previous head is done with sv and coef
+    load_steps<T>(p, w, b, h, s, u, sv);
+    __syncthreads();
+    if (threadIdx.x < kT) {
+      const int i = threadIdx.x;
+      float c = 0.f;
+      if (i < u.len) {
+        if (is_dc) c = sv.seq[i] == u.s_prev ? expf(sv.cs[i]) : 0.f;
+        else c = sv.seq[i] == u.s_last ? expf(sv.cs[u.len - 1] - sv.cs[i]) * sv.dt[i] : 0.f;
+      }
+      coef[i] = c;
+    }
+    __syncthreads();
+    const T* v = (const T*)(is_dc ? gp.dy : p.x) + ((b * p.seqlen + u.t0) * H + h) * P;
+    const float* st = (is_dc ? states : w.dstates) + (bh * S + s) * N * P + n0 * P;  // (n0 + n, p) at [n P + p]
+    Acc part;
+    part.zero();
+    for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
+      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
+      stage<true>(sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(v[i * ldx + k0 + k]) : 0.f; });
+      stage_split<true>(sB, sL, kk, [&](int n, int k) { return n0 + n < N && k < kp ? st[n * P + k0 + k] : 0.f; });
+      __syncthreads();
+      mma_split_b(part, sA, sB, sL, kk);
+      __syncthreads();
+    }
+    for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
+  }
+  // dB: A(j, i) = dCB_ij, B(n, i) = C_i[n];  dC: A(i, j) = dCB_ij, B(n, j) = B_j[n].
+  const float* dcb = w.dcb + (int64_t)blockIdx.x * kT * kT;
+  const T* U = (const T*)(is_dc ? p.Bm : p.Cm) + ((b * p.seqlen + u.t0) * G + g) * N + n0;
+  const int ks = round16(u.len);
+  if (is_dc)
+    stage_split<true>(sA, sL, ks, [&](int i, int j) { return i < u.len && j < u.len ? dcb[i * kT + j] : 0.f; });
+  else
+    stage_split<false>(sA, sL, ks, [&](int j, int i) { return i < u.len && j < u.len ? dcb[i * kT + j] : 0.f; });
+  stage<false>(sB, ks, [&](int n, int k) { return k < u.len && n0 + n < N ? to_f32(U[k * ldn + n]) : 0.f; });
+  __syncthreads();
+  mma_split_a(acc, sA, sL, sB, ks);
+  T* out = (T*)(is_dc ? gp.dC : gp.dB) + ((b * p.seqlen + u.t0) * G + g) * N + n0;
+  for_each([&](int mi, int ni, int r, int i, int n, int, int) {
+    if (i < u.len && n0 + n < N) out[i * ldn + n] = from_f32<T>(acc.v[mi][ni][r]);
+  });
+}
+
+// d(cs) of one (row, head, sub-chunk), its reverse cumsum da, ddt and the sub-chunk's dA.
+// One thread each, index ((b S + s) H + h).
+template <class T>
+__global__ void ddt_kernel(SsdGradParams gp, SsdScratch w) {
+  const SsdParams& p = gp.fwd;
+  const int64_t H = p.nheads, S = p.nsubs();
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= p.batch * S * H) return;
+  const int64_t h = idx % H, s = (idx / H) % S, b = idx / (H * S), bhs = (b * H + h) * S + s;
+  const Sub u = sub_of(p, b, s);
+  const float* intra = row_terms(p, w, kIntra, bhs);
+  const float* v = row_terms(p, w, kV, bhs);
+  const float* uu = row_terms(p, w, kU, bhs);
+  const float* xd = row_terms(p, w, kXdot, bhs);
+  const float A = to_f32(((const T*)p.A)[h]);
+  const T* dt = (const T*)p.dt + (b * p.seqlen + u.t0) * H + h;
+  T* ddt = (T*)gp.ddt + (b * p.seqlen + u.t0) * H + h;
+  float vsum = 0.f;
+  for (int i = 0; i < u.len; ++i) vsum += v[i];
+  float run = 0.f, dA = 0.f;
+  for (int t = u.len - 1; t >= 0; --t) {
+    float d = intra[t] + uu[t] - v[t];
+    if (t == u.len - 1) d += vsum + w.dg[bhs];
+    run += d;
+    ddt[t * H] = from_f32<T>(run * A + xd[t]);
+    dA += run * to_f32(dt[t * H]);
+  }
+  w.dA_sub[bhs] = dA;
+}
+
+// dA_part(b, h) = Σ_s dA of sub-chunk s, in order. One thread per (row, head).
+__global__ void da_kernel(SsdGradParams gp, SsdScratch w) {
+  const int64_t BH = gp.fwd.batch * gp.fwd.nheads, S = gp.fwd.nsubs();
+  const int64_t bh = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (bh >= BH) return;
+  float acc = 0.f;
+  for (int64_t s = 0; s < S; ++s) acc += w.dA_sub[bh * S + s];
+  ((float*)gp.dA_part)[bh] = acc;
+}
+
+template <class T>
+void backward(const SsdGradParams& gp, cudaStream_t stream) {
+  const SsdParams& p = gp.fwd;
+  const int64_t S = p.nsubs(), B = p.batch, H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
+  const SsdScratch w = ssd_cuda_scratch(p, true, (float*)p.workspace);
+  const int64_t tiles_n = (N + kT - 1) / kT, tiles_p = (P + kT - 1) / kT;
+  const unsigned pass_blocks = (unsigned)(B * H * cuda::ceil_div(N * P, kPassThreads));
+  const dim3 state_grid((unsigned)(B * S * H), (unsigned)(tiles_n * tiles_p));
+  const bool has_states = N * P > 0;
+  const unsigned thread_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
+
+  prep_kernel<T><<<thread_blocks, 128, 0, stream>>>(p, w);
+  cb_kernel<T><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
+  // The state entering each sub-chunk.
+  float* states = (float*)p.chunk_states;
+  if (w.states) {
+    states = w.states;
+    if (has_states) {
+      local_state_kernel<T, false><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
+      state_pass_kernel<T, false><<<pass_blocks, kPassThreads, 0, stream>>>(p, w, states, true, nullptr, nullptr);
+    }
+  }
+  // The gradient of the state leaving each sub-chunk, and dinit.
+  if (has_states) {
+    local_state_kernel<T, true><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, w.dstates);
+    state_pass_kernel<T, true><<<pass_blocks, kPassThreads, 0, stream>>>(p, w, w.dstates, false, (const T*)gp.dfinal,
+                                                                          (T*)gp.dinit);
+  }
+  dx_kernel<T><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+  dcb_kernel<T><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(gp, w);
+  if (tiles_n > 0) {
+    const dim3 grid((unsigned)(B * S * G), (unsigned)tiles_n, 2);
+    dbdc_kernel<T><<<grid, kThreads, 0, stream>>>(gp, w, states);
+  }
+  ddt_kernel<T><<<thread_blocks, 128, 0, stream>>>(gp, w);
+  da_kernel<<<(unsigned)cuda::ceil_div(B * H, 128), 128, 0, stream>>>(gp, w);
+  cuda::check_launch("ssd_backward_cuda");
+}
+
+}  // namespace
+}  // namespace ssd_cuda
+
+void ssd_backward_cuda(const SsdGradParams& gp, DType dtype, void* stream) {
+  const SsdParams& p = gp.fwd;
+  if (p.batch * p.seqlen * p.nheads == 0) return;  // the binding handles empty sequences
+  HAX_DISPATCH_DTYPE(dtype, [&] { ssd_cuda::backward<scalar_t>(gp, (cudaStream_t)stream); });
+}
+
+}  // namespace hax::ops

@@ -1,0 +1,108 @@
+// CUDA forward of the chunked SSD scan (cpu.cpp is the reference and states the formulas).
+//
+// The sequence is cut into sub-chunks of at most 64 steps (params.h, kSsdSubChunk); notation in
+// chunk.cuh. Five launches:
+//   1. prep_kernel        cs (cumsum of dt A) and the decay g of each (row, head, sub-chunk)
+//   2. cb_kernel          C B^T per (row, group, sub-chunk), 64 x 64, shared by the group's heads
+//   3. local_state_kernel the sub-chunks' own contributions Σ_j w_j B_j (dt_j x_j)^T, (N, P) each
+//   4. state_pass_kernel  sequential over sub-chunks, parallel over (row, head, state entry): the
+//                         state entering each sub-chunk (in place), chunk_states, final_state
+//   5. chunk_scan_kernel  y = diag(re) C S_enter^T + (C B^T ∘ decay mask) (dt x), into one
+//                         accumulator tile
+// Launch shapes: 64 x 64 tiles on 128 threads (tile.cuh); kernels 2, 3, 5 take one block per
+// (sub-chunk, row, head or group[, tile]); the pass takes one thread per state entry.
+// Workspace (float32, ssd_cuda_scratch): cs, decays, C B^T, and the entering states of the
+// sub-chunks when a chunk has several (otherwise chunk_states holds them).
+#include "ops/ssd/cuda/chunk.cuh"
+
+namespace hax::ops {
+namespace ssd_cuda {
+namespace {
+
+// y for one (row, head, sub-chunk) and 64 columns p of the head dim:
+//   y(i, p) = re_i Σ_n C_i[n] S_enter[n][p]  +  Σ_{j<=i, s_j=s_i} (exp(cs_i - cs_j) cb(i, j) dt_j) x_j[p]
+// The state part first (C as is, S_enter split), scaled by re_i in registers, then the
+// within-sub-chunk part (the bracket split, x as is) into the same accumulators.
+// Grid: (S * B * H, ceil(P / 64)); block s + S (b H + h).
+template <class T>
+__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(SsdParams p, SsdScratch w, const float* states) {
+  using S_t = typename Operand<T>::S;
+  __shared__ __align__(16) S_t sA[kSlabSize<T>];
+  __shared__ __align__(16) S_t sL[kLoSize<T>];
+  __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ StepVals sv;
+  __shared__ float re[kT];
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
+  const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
+  const int64_t p0 = (int64_t)blockIdx.y * kT;
+  const Sub u = sub_of(p, b, s);
+  load_steps<T>(p, w, b, h, s, u, sv);
+  __syncthreads();
+  if (threadIdx.x < kT) {
+    const int i = threadIdx.x;
+    re[i] = i < u.len && sv.seq[i] == u.s_prev ? expf(sv.cs[i]) : 0.f;
+  }
+  __syncthreads();
+  const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P + p0;  // step j at x[j H P]
+  const T* C = (const T*)p.Cm + ((b * p.seqlen + u.t0) * G + g) * N;       // step i at C[i G N]
+  const float* cb = w.cb + ((b * G + g) * S + s) * kT * kT;
+  const float* st = states + (bh * S + s) * N * P + p0;  // entry (n, p) at st[n P + p]
+  Acc acc;
+  acc.zero();
+  // From the entering state: A(i, n) = C_i[n], B(p, n) = S_enter[n][p].
+  for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
+    const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
+    stage<true>(sA, kk, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * G * N + n0 + k]) : 0.f; });
+    stage_split<false>(sB, sL, kk, [&](int q, int k) { return k < kn && p0 + q < P ? st[(n0 + k) * P + q] : 0.f; });
+    __syncthreads();
+    mma_split_b(acc, sA, sB, sL, kk);
+    __syncthreads();
+  }
+  for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] *= re[i]; });
+  // Within the sub-chunk: A(i, j) = masked decayed cb times dt_j, B(p, j) = x_j[p].
+  const int ks = round16(u.len);
+  stage_split<true>(sA, sL, ks, [&](int i, int j) {
+    return i < u.len && j <= i && sv.seq[i] == sv.seq[j] ? cb[i * kT + j] * expf(sv.cs[i] - sv.cs[j]) * sv.dt[j]
+                                                         : 0.f;
+  });
+  stage<false>(sB, ks, [&](int q, int j) { return j < u.len && p0 + q < P ? to_f32(x[j * H * P + q]) : 0.f; });
+  __syncthreads();
+  mma_split_a(acc, sA, sL, sB, ks);
+  T* y = (T*)p.y + ((b * p.seqlen + u.t0) * H + h) * P + p0;
+  for_each([&](int mi, int ni, int r, int i, int q, int, int) {
+    if (i < u.len && p0 + q < P) y[i * H * P + q] = from_f32<T>(acc.v[mi][ni][r]);
+  });
+}
+
+template <class T>
+void forward(const SsdParams& p, cudaStream_t stream) {
+  const int64_t S = p.nsubs(), B = p.batch, H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
+  const SsdScratch w = ssd_cuda_scratch(p, false, (float*)p.workspace);
+  // Entering states of the sub-chunks: chunk_states itself when each chunk is one sub-chunk.
+  float* states = w.states ? w.states : (float*)p.chunk_states;
+  const int64_t tiles_n = (N + kT - 1) / kT, tiles_p = (P + kT - 1) / kT;
+  const unsigned prep_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
+  if (prep_blocks > 0) prep_kernel<T><<<prep_blocks, 128, 0, stream>>>(p, w);
+  if (B * S * G > 0) cb_kernel<T><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
+  if (B * S * H * tiles_n * tiles_p > 0) {
+    const dim3 grid((unsigned)(B * S * H), (unsigned)(tiles_n * tiles_p));
+    local_state_kernel<T, false><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
+    const unsigned pass_blocks = (unsigned)(B * H * cuda::ceil_div(N * P, kPassThreads));
+    state_pass_kernel<T, false><<<pass_blocks, kPassThreads, 0, stream>>>(p, w, states, false, nullptr, nullptr);
+  }
+  if (B * S * H * tiles_p > 0) {
+    const dim3 grid((unsigned)(B * S * H), (unsigned)tiles_p);
+    chunk_scan_kernel<T><<<grid, kThreads, 0, stream>>>(p, w, states);
+  }
+  cuda::check_launch("ssd_forward_cuda");
+}
+
+}  // namespace
+}  // namespace ssd_cuda
+
+void ssd_forward_cuda(const SsdParams& p, DType dtype, void* stream) {
+  if (p.batch * p.seqlen * p.nheads == 0) return;  // the binding fills final_state for empty sequences
+  HAX_DISPATCH_DTYPE(dtype, [&] { ssd_cuda::forward<scalar_t>(p, (cudaStream_t)stream); });
+}
+
+}  // namespace hax::ops

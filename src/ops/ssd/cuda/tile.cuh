@@ -1,0 +1,256 @@
+// Block-level 64 x 64 matrix tiles, the building block of every SSD kernel.
+//
+// A thread block of kThreads = 128 threads (4 warps) computes one 64 x 64 float32 tile
+//   acc(m, n) += Σ_k A(m, k) B(n, k)
+// from operands staged in shared memory slab by slab (kSlab = 64 values of k at a time), both
+// stored "k-major": A as [m][k] and B as [n][k], rows kLd elements apart. The warps form a 2 x 2
+// grid, each owning a 32 x 32 quarter as 2 x 4 mma tiles of 16 x 8, and each thread holds the
+// elements of those tiles that the PTX m16n8 accumulator layout gives it:
+//   row = 32 wm + 16 mi + lane / 4 + 8 (r / 2),   col = 32 wn + 8 ni + 2 (lane % 4) + r % 2
+// for mi < 2, ni < 4, r < 4. Both engines use this ownership, so epilogues and row/column
+// reductions are written once:
+//   - bfloat16 storage: operands are bfloat16 in shared memory and the products run on tensor
+//     cores (mma.sync m16n8k16, float32 accumulation);
+//   - float32 storage: operands are float32 and each thread runs its 32 dot products with FMAs
+//     (exact float32, matching the CPU reference to rounding).
+// Staging zero-fills everything outside the valid ranges, so padded rows and k's add nothing.
+//
+// Precision of the bfloat16 path: the raw inputs (x, B, C, dy) enter the products exactly, and
+// per-row factors are applied to the float32 accumulators. An operand computed in float32 (a
+// decayed mask, a state, a state gradient) is staged as two bfloat16 halves, hi = bf16(v) and
+// lo = bf16(v - hi), and multiplied twice (stage_split, mma_split_a/b): about 16 significant
+// bits instead of 8, so the products are as accurate as float32 accumulation allows and the
+// results' error is that of the output rounding.
+#pragma once
+#include "ops/cuda/common.cuh"
+
+namespace hax::ops::ssd_cuda {
+
+using cuda::from_f32;
+using cuda::to_f32;
+
+constexpr int kT = 64;         // tile rows and columns (= kSsdSubChunk)
+constexpr int kThreads = 128;  // threads of a tile block: 4 warps, 2 x 2
+constexpr int kSlab = 64;      // k values staged per step
+
+// Shared-memory operand type and row stride per storage type. The strides keep the fragment
+// loads free of bank conflicts (bfloat16: 36 words a row; float32: 68 words).
+template <class T>
+struct Operand;
+template <>
+struct Operand<float> {
+  using S = float;
+  static constexpr int kLd = kSlab + 4;
+  static constexpr bool kSplit = false;  // float32 operands are staged whole
+};
+template <>
+struct Operand<__nv_bfloat16> {
+  using S = __nv_bfloat16;
+  static constexpr int kLd = kSlab + 8;
+  static constexpr bool kSplit = true;  // computed operands are staged as hi + lo
+};
+// Shared entries of one operand slab, and of the lo half of a split one (1 when unused).
+template <class T>
+constexpr int kSlabSize = kT * Operand<T>::kLd;
+template <class T>
+constexpr int kLoSize = Operand<T>::kSplit ? kSlabSize<T> : 1;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_m() { return (threadIdx.x >> 5) >> 1; }
+__device__ __forceinline__ int warp_n() { return (threadIdx.x >> 5) & 1; }
+
+// The thread's share of a 64 x 64 float32 tile (see the top of the file for the layout).
+struct Acc {
+  float v[2][4][4];  // [mi][ni][r]
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) v[mi][ni][r] = 0.f;
+  }
+};
+
+__device__ __forceinline__ int acc_row(int mi, int r) {
+  return warp_m() * 32 + mi * 16 + (lane_id() >> 2) + (r >> 1) * 8;
+}
+__device__ __forceinline__ int acc_col(int ni, int r) { return warp_n() * 32 + ni * 8 + (lane_id() & 3) * 2 + (r & 1); }
+
+// Calls f(mi, ni, r, row, col, rslot, cslot) for each of the thread's 32 elements; rslot (0..3)
+// numbers the thread's 4 rows and cslot (0..7) its 8 columns (for per-thread row/column sums).
+template <class F>
+__device__ __forceinline__ void for_each(F&& f) {
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) f(mi, ni, r, acc_row(mi, r), acc_col(ni, r), mi * 2 + (r >> 1), ni * 2 + (r & 1));
+}
+
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// d += a b for one m16n8k16 tile (bfloat16 inputs, float32 accumulation), PTX fragment layouts.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// acc += A B^T over k < ks (a multiple of 16): tensor cores.
+__device__ __forceinline__ void mma_slab(Acc& acc, const __nv_bfloat16* A, const __nv_bfloat16* B, int ks) {
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+  const int g = lane_id() >> 2, t2 = (lane_id() & 3) * 2;
+  const __nv_bfloat16* Aw = A + (warp_m() * 32 + g) * ld + t2;
+  const __nv_bfloat16* Bw = B + (warp_n() * 32 + g) * ld + t2;
+  for (int k = 0; k < ks; k += 16) {
+    uint32_t a[2][4], b[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const __nv_bfloat16* p = Aw + mi * 16 * ld + k;
+      a[mi][0] = load_pair(p);               // row g,     k 2t, 2t+1
+      a[mi][1] = load_pair(p + 8 * ld);      // row g + 8, k 2t, 2t+1
+      a[mi][2] = load_pair(p + 8);           // row g,     k 2t+8, 2t+9
+      a[mi][3] = load_pair(p + 8 * ld + 8);  // row g + 8, k 2t+8, 2t+9
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const __nv_bfloat16* p = Bw + ni * 8 * ld + k;
+      b[ni][0] = load_pair(p);      // column g, k 2t, 2t+1
+      b[ni][1] = load_pair(p + 8);  // column g, k 2t+8, 2t+9
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) mma_16816(acc.v[mi][ni], a[mi], b[ni]);
+  }
+}
+
+// acc += A B^T over k < ks: float32 FMAs, same element ownership as the tensor-core path.
+__device__ __forceinline__ void mma_slab(Acc& acc, const float* A, const float* B, int ks) {
+  constexpr int ld = Operand<float>::kLd;
+  const float* Aw = A + (warp_m() * 32 + (lane_id() >> 2)) * ld;
+  const float* Bw = B + (warp_n() * 32 + (lane_id() & 3) * 2) * ld;
+  for (int k = 0; k < ks; ++k) {
+    float a[2][2], b[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) a[mi][h] = Aw[(mi * 16 + h * 8) * ld + k];
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) b[ni][e] = Bw[(ni * 8 + e) * ld + k];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc.v[mi][ni][r] = fmaf(a[mi][r >> 1], b[ni][r & 1], acc.v[mi][ni][r]);
+  }
+}
+
+__device__ __forceinline__ int round16(int k) { return (k + 15) & ~15; }
+
+// Fills a shared operand slab: dst[r][k] = f(r, k) for r < 64, k < ks (a multiple of 16); f
+// returns float32 and must give 0 outside the valid ranges. KFast: consecutive threads take
+// consecutive k (global memory contiguous along k); otherwise consecutive rows.
+template <bool KFast, class S, class F>
+__device__ __forceinline__ void stage(S* dst, int ks, F&& f) {
+  constexpr int ld = Operand<S>::kLd;
+  const int n = kT * ks;
+  for (int idx = threadIdx.x; idx < n; idx += kThreads) {
+    int r, k;
+    if (KFast) {
+      r = idx / ks;
+      k = idx - r * ks;
+    } else {
+      k = idx / kT;
+      r = idx - k * kT;
+    }
+    dst[r * ld + k] = from_f32<S>(f(r, k));
+  }
+}
+
+// Stages an operand computed in float32: hi[r][k] = f(r, k) rounded to S and, for bfloat16,
+// lo[r][k] = the rounding error, rounded (float32: lo is not touched).
+template <bool KFast, class S, class F>
+__device__ __forceinline__ void stage_split(S* hi, S* lo, int ks, F&& f) {
+  constexpr int ld = Operand<S>::kLd;
+  const int n = kT * ks;
+  for (int idx = threadIdx.x; idx < n; idx += kThreads) {
+    int r, k;
+    if (KFast) {
+      r = idx / ks;
+      k = idx - r * ks;
+    } else {
+      k = idx / kT;
+      r = idx - k * kT;
+    }
+    const float v = f(r, k);
+    const S h = from_f32<S>(v);
+    hi[r * ld + k] = h;
+    if (Operand<S>::kSplit) lo[r * ld + k] = from_f32<S>(v - to_f32(h));
+  }
+}
+
+// acc += (Ahi + Alo) B^T and acc += A (Bhi + Blo)^T (the lo product only where operands split).
+template <class S>
+__device__ __forceinline__ void mma_split_a(Acc& acc, const S* Ahi, const S* Alo, const S* B, int ks) {
+  mma_slab(acc, Ahi, B, ks);
+  if (Operand<S>::kSplit) mma_slab(acc, Alo, B, ks);
+}
+template <class S>
+__device__ __forceinline__ void mma_split_b(Acc& acc, const S* A, const S* Bhi, const S* Blo, int ks) {
+  mma_slab(acc, A, Bhi, ks);
+  if (Operand<S>::kSplit) mma_slab(acc, A, Blo, ks);
+}
+
+// Row sums of the tile: part[rslot] holds the thread's sum over its columns for each of its rows;
+// out[row] (shared, 64) receives the total over all 64 columns, summed in a fixed order.
+// scratch: 128 shared floats. All threads must call it; it synchronizes the block.
+__device__ __forceinline__ void row_sums(const float (&part)[4], float* scratch, float* out) {
+#pragma unroll
+  for (int rs = 0; rs < 4; ++rs) {
+    float v = part[rs];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    if ((lane_id() & 3) == 0) scratch[warp_n() * kT + acc_row(rs >> 1, (rs & 1) * 2)] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < kT) out[threadIdx.x] = scratch[threadIdx.x] + scratch[kT + threadIdx.x];
+  __syncthreads();
+}
+
+// Column sums: part[cslot] holds the thread's sum over its rows for each of its columns.
+__device__ __forceinline__ void col_sums(const float (&part)[8], float* scratch, float* out) {
+#pragma unroll
+  for (int cs = 0; cs < 8; ++cs) {
+    float v = part[cs];
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 16);
+    if (lane_id() < 4) scratch[warp_m() * kT + acc_col(cs >> 1, cs & 1)] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < kT) out[threadIdx.x] = scratch[threadIdx.x] + scratch[kT + threadIdx.x];
+  __syncthreads();
+}
+
+// Sum of one value per thread over the block, in a fixed order; every thread gets it.
+// scratch: 4 shared floats. Synchronizes the block.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = cuda::warp_sum(v);
+  if (lane_id() == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const float total = (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
+  __syncthreads();
+  return total;
+}
+
+}  // namespace hax::ops::ssd_cuda

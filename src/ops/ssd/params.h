@@ -1,0 +1,121 @@
+// Plain parameters of the SSD scan kernels and the CUDA launchers (no LibTorch: the .cu files
+// include this). See ssd.h for the definition and cpu.cpp for the chunked algorithm.
+#pragma once
+#include <cstdint>
+
+#include "ops/kernel_dtype.h"
+
+namespace hax::ops {
+
+// The CUDA kernels work on sub-chunks of at most kSsdSubChunk steps (one tile of a thread block):
+// a chunk of Q <= 64 steps is one sub-chunk, a longer chunk is split into ceil(Q / 64) sub-chunks
+// counted from its start (the last one shorter when 64 does not divide Q). The result does not
+// depend on the chunking; only the saved chunk_states follow the requested chunk.
+constexpr int64_t kSsdSubChunk = 64;
+
+// Raw-pointer parameters of the SSD kernels (all tensors contiguous, one dtype).
+struct SsdParams {
+  int64_t batch = 0, seqlen = 0, nheads = 0, headdim = 0, ngroups = 0, dstate = 0;
+  int64_t chunk = 64;           // chunk length Q of the chunked algorithm
+  const void* x = nullptr;      // (B, L, H, P)
+  const void* dt = nullptr;     // (B, L, H), positive step sizes (softplus already applied)
+  const void* A = nullptr;      // (H), negative decay rates
+  const void* Bm = nullptr;     // (B, L, G, N)
+  const void* Cm = nullptr;     // (B, L, G, N)
+  const void* init_state = nullptr;  // (B, H, P, N) or null (zeros)
+  const int32_t* seq_idx = nullptr;  // (B, L) non-decreasing sequence numbers, or null
+  void* y = nullptr;            // out (B, L, H, P)
+  void* final_state = nullptr;  // out (B, H, P, N)
+  void* chunk_states = nullptr; // out (B, H, nchunks, N, P): state entering each chunk (for backward);
+                                // x's dtype on the CPU, float32 on CUDA
+  void* workspace = nullptr;    // CUDA only: float32 scratch of ssd_cuda_workspace(*this, backward) entries
+
+  HAX_HOST_DEVICE int64_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
+  // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many
+  // there are in a row (only non-empty ones), and where sub-chunk s starts and how long it is.
+  HAX_HOST_DEVICE int64_t sub_len() const { return chunk < kSsdSubChunk ? chunk : kSsdSubChunk; }
+  HAX_HOST_DEVICE int64_t subs_per_chunk() const { return (chunk + sub_len() - 1) / sub_len(); }
+  HAX_HOST_DEVICE int64_t nsubs() const {
+    const int64_t nc = nchunks();
+    if (nc == 0) return 0;
+    const int64_t tail = seqlen - (nc - 1) * chunk;  // steps of the last chunk, 1..chunk
+    return (nc - 1) * subs_per_chunk() + (tail + sub_len() - 1) / sub_len();
+  }
+  HAX_HOST_DEVICE int64_t sub_start(int64_t s) const {
+    return (s / subs_per_chunk()) * chunk + (s % subs_per_chunk()) * sub_len();
+  }
+  HAX_HOST_DEVICE int64_t sub_size(int64_t s) const {
+    const int64_t in_chunk = chunk - (s % subs_per_chunk()) * sub_len(), left = seqlen - sub_start(s);
+    const int64_t n = in_chunk < left ? in_chunk : left;
+    return n < sub_len() ? n : sub_len();
+  }
+};
+
+// Gradient parameters: inputs of SsdParams plus the saved chunk states, dy and dfinal.
+struct SsdGradParams {
+  SsdParams fwd;                      // the forward's inputs and chunk_states (and, on CUDA, workspace)
+  const void* dy = nullptr;           // (B, L, H, P)
+  const void* dfinal = nullptr;       // (B, H, P, N) or null
+  void* dx = nullptr;                 // out (B, L, H, P)
+  void* ddt = nullptr;                // out (B, L, H)
+  void* dA_part = nullptr;            // out (B, H): per-row partial dA, summed over B by the caller
+                                      // (x's dtype on the CPU, float32 on CUDA)
+  void* dB_head = nullptr;            // CPU out (B, L, H, N): per-head dB, summed over a group's heads by the caller
+  void* dC_head = nullptr;            // CPU out (B, L, H, N)
+  void* dB = nullptr;                 // CUDA out (B, L, G, N): dB summed over each group's heads in the kernel
+  void* dC = nullptr;                 // CUDA out (B, L, G, N)
+  void* dinit = nullptr;              // out (B, H, P, N) or null
+};
+
+// The CUDA kernels' float32 scratch, carved from one workspace buffer. Per sub-chunk s of row b,
+// head h (or group g):
+struct SsdScratch {
+  float* cs = nullptr;       // (B, H, S, 64): inclusive cumsum of dt A within the sub-chunk
+  float* decay = nullptr;    // (B, H, S): the factor of the entering state in the leaving one
+  float* cb = nullptr;       // (B, G, S, 64, 64): C_i . B_j
+  float* states = nullptr;   // (B, H, S, N, P): state entering each sub-chunk; null where chunk_states
+                             // holds them (one sub-chunk per chunk)
+  float* dstates = nullptr;  // backward (B, H, S, N, P): gradient of the state leaving each sub-chunk
+  float* dcb = nullptr;      // backward (B, G, S, 64, 64): d(C_i . B_j) summed over the group's heads
+  float* rows = nullptr;     // backward (4, B, H, S, 64): per-step terms of d(cs): intra, v, u, x.dXd
+  float* dg = nullptr;       // backward (B, H, S): d(cs_last) from the entering state's decay
+  float* dA_sub = nullptr;   // backward (B, H, S): dA of each sub-chunk
+  int64_t total = 0;         // float32 entries in all
+};
+
+// Lays the scratch out from `base` (null: only counts the entries).
+inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, float* base) {
+  SsdScratch s;
+  const int64_t S = p.nsubs(), BH = p.batch * p.nheads, BG = p.batch * p.ngroups;
+  const int64_t T = kSsdSubChunk, NP = p.dstate * p.headdim;
+  auto take = [&](int64_t n) {
+    float* at = base ? base + s.total : nullptr;
+    s.total += (n + 63) / 64 * 64;  // 256-byte aligned pieces
+    return at;
+  };
+  s.cs = take(BH * S * T);
+  s.decay = take(BH * S);
+  s.cb = take(BG * S * T * T);
+  if (p.subs_per_chunk() > 1) s.states = take(BH * S * NP);
+  if (backward) {
+    s.dstates = take(BH * S * NP);
+    s.dcb = take(BG * S * T * T);
+    s.rows = take(4 * BH * S * T);
+    s.dg = take(BH * S);
+    s.dA_sub = take(BH * S);
+  }
+  return s;
+}
+
+// Float32 entries of workspace the CUDA forward (backward = false) or backward needs.
+inline int64_t ssd_cuda_workspace(const SsdParams& p, bool backward) {
+  return ssd_cuda_scratch(p, backward, nullptr).total;
+}
+
+// CUDA kernels (float32 or bfloat16 storage, float32 math; bfloat16 runs its matrix products on
+// tensor cores); `stream` is a cudaStream_t. chunk_states, dA_part are float32. No atomics: the
+// backward is deterministic.
+void ssd_forward_cuda(const SsdParams& p, DType dtype, void* stream);
+void ssd_backward_cuda(const SsdGradParams& p, DType dtype, void* stream);
+
+}  // namespace hax::ops

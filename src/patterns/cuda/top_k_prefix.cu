@@ -1,0 +1,368 @@
+// Key Selection on the GPU, equal to top_k_prefix.cpp's: query i gets the k best keys among the
+// positions start..i of its sequence (best: higher score, then the earlier position; NaN ranks as
+// -inf), ascending. Candidates compare by one 64-bit key (see TopKPrefixParams), so "top k" is
+// exact, with no arithmetic on scores.
+//
+// Positions are cut into blocks of kTopKBlock = 64 queries. A top-k list is k keys, descending,
+// 0-padded. Two lists of disjoint positions combine into the top k of their union by a merge:
+// each entry's rank in the union is its own index plus the number of the other list's entries
+// above it (a binary search), and it is written there if that rank is < k. With sequence starts:
+// (flag, list) pairs, where the flag says the range's last sequence starts inside it, combine as
+// (fa | fb, fb ? list_b : merge(list_a, list_b)), an associative scan operator.
+//   block_top_kernel     warp per (b, h, block): the block's own list (its positions from the
+//                        start of the block's last sequence), by ranking its <= 64 keys by shuffles.
+//   super_fold_kernel    warp per (b, h, super block of kTopKSuper blocks): its blocks' lists combined.
+//   super_prefix_kernel  warp per (b, h): exclusive scan over the super blocks.
+//   block_prefix_kernel  warp per (b, h, super block): exclusive scan over its blocks from the super
+//                        block's prefix. block_prefix[blk] = the list of query (first of blk) - 1.
+//   query_kernel         warp per (b, h, block): the block's candidates U = the prefix's positions
+//                        (when the block's first query continues a sequence; sorted ascending by a
+//                        bitonic sort) followed by the block's own positions, with their keys, in
+//                        shared memory. The queries run in order as on the CPU, the selection a flag
+//                        per candidate: query i adds itself, and when k + 1 are selected drops the
+//                        least key (a warp min); a sequence start clears the selection. The list is
+//                        the selected candidates in U order (= ascending positions), compacted by
+//                        ballots; -1 after.
+// The scans merge in shared memory (three k-lists per warp).
+#include <climits>
+#include <cmath>
+
+#include "patterns/cuda/list_utils.cuh"
+
+namespace hax::patterns {
+namespace {
+
+using ops::cuda::to_f32;
+static_assert(kTopKBlock == 64, "block_top ranks two candidates per lane");
+
+// The comparison key of a score at position pos (larger = better; see TopKPrefixParams).
+__device__ __forceinline__ uint64_t score_key(float v, int64_t pos) {
+  if (isnan(v)) v = -INFINITY;
+  if (v == 0.f) v = 0.f;  // -0 ties with +0
+  uint32_t u = __float_as_uint(v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((uint64_t)u << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)pos);
+}
+__device__ __forceinline__ int32_t key_pos(uint64_t key) { return (int32_t)(0xFFFFFFFFu - (uint32_t)key); }
+
+template <class T>
+__device__ __forceinline__ uint64_t key_at(const TopKPrefixParams& p, int64_t b, int64_t h, int64_t pos) {
+  return score_key(to_f32(((const T*)p.scores)[(b * p.L + pos) * p.H + h]), pos);
+}
+
+// Positions [t0, t1) of block blk.
+__device__ __forceinline__ void block_range(const TopKPrefixParams& p, int64_t blk, int64_t& t0, int64_t& t1) {
+  t0 = blk * kTopKBlock;
+  t1 = t0 + kTopKBlock < p.L ? t0 + kTopKBlock : p.L;
+}
+// Whether the last sequence of positions [t0, t1) starts inside them.
+__device__ __forceinline__ bool range_resets(const int32_t* start_row, int64_t t0, int64_t t1) {
+  return start_row[t1 - 1] >= t0;
+}
+__device__ __forceinline__ bool block_resets(const TopKPrefixParams& p, int64_t b, int64_t blk) {
+  int64_t t0, t1;
+  block_range(p, blk, t0, t1);
+  return range_resets(p.start + b * p.L, t0, t1);
+}
+__device__ __forceinline__ bool super_resets(const TopKPrefixParams& p, int64_t b, int64_t sb) {
+  const int64_t nblk = top_k_blocks(p.L);
+  const int64_t b0 = sb * kTopKSuper, b1 = b0 + kTopKSuper < nblk ? b0 + kTopKSuper : nblk;
+  int64_t t0, t1, u0, u1;
+  block_range(p, b0, t0, t1);
+  block_range(p, b1 - 1, u0, u1);
+  return range_resets(p.start + b * p.L, t0, u1);
+}
+
+// Entries of the descending, 0-padded list a[0..k) greater than x.
+__device__ __forceinline__ int64_t count_greater(const uint64_t* a, int64_t k, uint64_t x) {
+  int64_t lo = 0, hi = k;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (a[mid] > x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// out = the top k of lists a and b (disjoint positions), all three of k entries, out apart from
+// both. A valid entry's rank is its index plus the other list's entries above it (unique keys).
+// A 0 at index t >= n_a of a lands at t + n_b >= n_a + n_b (likewise for b), past every valid
+// rank, and those zeros cover every slot in [n_a + n_b, k): the whole of out is written.
+__device__ void merge_top(const uint64_t* a, const uint64_t* b, uint64_t* out, int64_t k, int lane) {
+  for (int64_t t = lane; t < k; t += 32) {
+    const uint64_t x = a[t], y = b[t];
+    const int64_t rx = t + count_greater(b, k, x), ry = t + count_greater(a, k, y);
+    if (rx < k) out[rx] = x;
+    if (ry < k) out[ry] = y;
+  }
+  __syncwarp();
+}
+
+__device__ void copy_list(const uint64_t* src, uint64_t* dst, int64_t k, int lane) {
+  for (int64_t t = lane; t < k; t += 32) dst[t] = src[t];
+  __syncwarp();
+}
+
+// The warp's three k-lists in shared memory: an accumulator, an incoming list, a merge target.
+struct Lists {
+  uint64_t* buf[3];
+  int acc = 0, in = 1, out = 2;
+  __device__ Lists(uint64_t* base, int64_t k) {
+    for (int t = 0; t < 3; ++t) buf[t] = base + t * k;
+  }
+  // acc = combine(acc, (resets, incoming)); the incoming list was loaded into buf[in].
+  __device__ void combine(bool resets, int64_t k, int lane) {
+    if (resets) {
+      const int t = acc;
+      acc = in, in = t;
+    } else {
+      merge_top(buf[acc], buf[in], buf[out], k, lane);
+      const int t = acc;
+      acc = out, out = t;
+    }
+  }
+};
+
+template <class T>
+__global__ void block_top_kernel(TopKPrefixParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t nblk = top_k_blocks(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < p.B * p.H * nblk; w += warps) {
+    const int64_t blk = w % nblk, bh = w / nblk, b = bh / p.H, h = bh % p.H;
+    int64_t t0, t1;
+    block_range(p, blk, t0, t1);
+    const int64_t s_last = p.start[b * p.L + t1 - 1];
+    const int64_t lo = s_last > t0 ? s_last : t0;
+    const int n = (int)(t1 - lo);  // candidates lo..t1-1, at most 64
+    const uint64_t k0 = lane < n ? key_at<T>(p, b, h, lo + lane) : 0;
+    const uint64_t k1 = lane + 32 < n ? key_at<T>(p, b, h, lo + lane + 32) : 0;
+    int r0 = 0, r1 = 0;  // ranks: candidates with a greater key
+    for (int src = 0; src < 32; ++src) {
+      const uint64_t o0 = __shfl_sync(dev::kFullMask, k0, src), o1 = __shfl_sync(dev::kFullMask, k1, src);
+      r0 += (o0 > k0) + (o1 > k0);
+      r1 += (o0 > k1) + (o1 > k1);
+    }
+    uint64_t* out = p.block_top + w * p.k;
+    if (lane < n && r0 < p.k) out[r0] = k0;
+    if (lane + 32 < n && r1 < p.k) out[r1] = k1;
+    for (int64_t t = n + lane; t < p.k; t += 32) out[t] = 0;
+  }
+}
+
+__global__ void super_fold_kernel(TopKPrefixParams p, int64_t smem_per_warp) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x % 32;
+  const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  Lists lists((uint64_t*)(smem + (threadIdx.x / 32) * smem_per_warp), p.k);
+  for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < p.B * p.H * nsup; w += warps) {
+    const int64_t sb = w % nsup, bh = w / nsup, b = bh / p.H;
+    const int64_t b0 = sb * kTopKSuper, b1 = b0 + kTopKSuper < nblk ? b0 + kTopKSuper : nblk;
+    const uint64_t* tops = p.block_top + bh * nblk * p.k;
+    copy_list(tops + b0 * p.k, lists.buf[lists.acc], p.k, lane);
+    for (int64_t blk = b0 + 1; blk < b1; ++blk) {
+      copy_list(tops + blk * p.k, lists.buf[lists.in], p.k, lane);
+      lists.combine(block_resets(p, b, blk), p.k, lane);
+    }
+    copy_list(lists.buf[lists.acc], p.super_top + w * p.k, p.k, lane);
+  }
+}
+
+__global__ void super_prefix_kernel(TopKPrefixParams p, int64_t smem_per_warp) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x % 32;
+  const int64_t nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  Lists lists((uint64_t*)(smem + (threadIdx.x / 32) * smem_per_warp), p.k);
+  for (int64_t bh = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; bh < p.B * p.H; bh += warps) {
+    const int64_t b = bh / p.H;
+    uint64_t* prefix = p.super_prefix + bh * nsup * p.k;
+    const uint64_t* tops = p.super_top + bh * nsup * p.k;
+    for (int64_t t = lane; t < p.k; t += 32) lists.buf[lists.acc][t] = 0;  // nothing before the row
+    __syncwarp();
+    copy_list(lists.buf[lists.acc], prefix, p.k, lane);
+    for (int64_t sb = 1; sb < nsup; ++sb) {
+      copy_list(tops + (sb - 1) * p.k, lists.buf[lists.in], p.k, lane);
+      lists.combine(super_resets(p, b, sb - 1), p.k, lane);
+      copy_list(lists.buf[lists.acc], prefix + sb * p.k, p.k, lane);
+    }
+  }
+}
+
+__global__ void block_prefix_kernel(TopKPrefixParams p, int64_t smem_per_warp) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x % 32;
+  const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  Lists lists((uint64_t*)(smem + (threadIdx.x / 32) * smem_per_warp), p.k);
+  for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < p.B * p.H * nsup; w += warps) {
+    const int64_t sb = w % nsup, bh = w / nsup, b = bh / p.H;
+    const int64_t b0 = sb * kTopKSuper, b1 = b0 + kTopKSuper < nblk ? b0 + kTopKSuper : nblk;
+    const uint64_t* tops = p.block_top + bh * nblk * p.k;
+    uint64_t* prefix = p.block_prefix + bh * nblk * p.k;
+    copy_list(p.super_prefix + w * p.k, lists.buf[lists.acc], p.k, lane);
+    copy_list(lists.buf[lists.acc], prefix + b0 * p.k, p.k, lane);
+    for (int64_t blk = b0 + 1; blk < b1; ++blk) {
+      copy_list(tops + (blk - 1) * p.k, lists.buf[lists.in], p.k, lane);
+      lists.combine(block_resets(p, b, blk - 1), p.k, lane);
+      copy_list(lists.buf[lists.acc], prefix + blk * p.k, p.k, lane);
+    }
+  }
+}
+
+// Ascending bitonic sort of a[0..n), n a power of two, by one warp.
+__device__ void warp_bitonic_sort(int32_t* a, int64_t n, int lane) {
+  for (int64_t size = 2; size <= n; size <<= 1)
+    for (int64_t stride = size / 2; stride > 0; stride >>= 1) {
+      for (int64_t t = lane; t < n / 2; t += 32) {
+        const int64_t i = 2 * t - (t & (stride - 1)), j = i + stride;  // i has bit `stride` clear
+        const bool ascending = (i & size) == 0;
+        const int32_t x = a[i], y = a[j];
+        if ((x > y) == ascending) a[i] = y, a[j] = x;
+      }
+      __syncwarp();
+    }
+}
+
+// The shared memory layout of one query_kernel warp.
+struct QueryShared {
+  uint64_t* key;  // (k + 64): candidate keys, in U order
+  int32_t* pos;   // (pow2 >= k) + 64: candidate positions, U order (the prefix part sorted in place)
+  uint8_t* sel;   // (k + 64): selected flags
+};
+__device__ __forceinline__ QueryShared query_shared(unsigned char* base, int64_t k, int64_t sort_len) {
+  QueryShared s;
+  s.key = (uint64_t*)base;
+  s.pos = (int32_t*)(s.key + k + kTopKBlock);
+  s.sel = (uint8_t*)(s.pos + sort_len + kTopKBlock);
+  return s;
+}
+
+template <class T>
+__global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_per_warp) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x % 32;
+  const unsigned lanes_below = (1u << lane) - 1;
+  const int64_t nblk = top_k_blocks(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  const QueryShared sh = query_shared(smem + (threadIdx.x / 32) * smem_per_warp, p.k, sort_len);
+  for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < p.B * p.H * nblk; w += warps) {
+    const int64_t blk = w % nblk, bh = w / nblk, b = bh / p.H, h = bh % p.H;
+    const int32_t* start = p.start + b * p.L;
+    int64_t t0, t1;
+    block_range(p, blk, t0, t1);
+    // U = [the prefix's positions, ascending] ++ [t0, t1).
+    int64_t nP = 0;
+    if (start[t0] < t0) {  // the block's first query continues a sequence: its prefix list counts
+      const uint64_t* prefix = p.block_prefix + w * p.k;
+      for (int64_t t = lane; t < sort_len; t += 32) sh.pos[t] = t < p.k && prefix[t] ? key_pos(prefix[t]) : INT_MAX;
+      __syncwarp();
+      warp_bitonic_sort(sh.pos, sort_len, lane);
+      nP = count_greater(prefix, p.k, 0);
+    }
+    const int64_t nU = nP + (t1 - t0);
+    for (int64_t t = lane; t < t1 - t0; t += 32) sh.pos[nP + t] = (int32_t)(t0 + t);
+    __syncwarp();
+    for (int64_t u = lane; u < nU; u += 32) {
+      sh.key[u] = key_at<T>(p, b, h, sh.pos[u]);
+      sh.sel[u] = u < nP;  // the prefix list: the selection of query t0 - 1
+    }
+    __syncwarp();
+    int64_t a = 0, count = nP;  // the eligible window U[a..]; the number selected
+    for (int64_t i = t0; i < t1; ++i) {
+      const int64_t ui = nP + (i - t0);  // i's index in U
+      if (start[i] == i) {  // a sequence starts: nothing before i is eligible
+        for (int64_t u = a + lane; u < ui; u += 32) sh.sel[u] = 0;
+        a = ui, count = 0;
+      }
+      if (lane == 0) sh.sel[ui] = 1;
+      ++count;
+      __syncwarp();
+      if (count > p.k) {  // drop the selected candidate of least key (possibly i itself)
+        uint64_t least = ~0ull;
+        int64_t lu = -1;
+        for (int64_t u = a + lane; u <= ui; u += 32)
+          if (sh.sel[u] && sh.key[u] < least) least = sh.key[u], lu = u;
+        for (int o = 16; o > 0; o >>= 1) {
+          const uint64_t ol = __shfl_xor_sync(dev::kFullMask, least, o);
+          const int64_t ou = __shfl_xor_sync(dev::kFullMask, lu, o);
+          if (ol < least) least = ol, lu = ou;
+        }
+        __syncwarp();  // every lane has read sel before lane 0 clears an entry (racecheck)
+        if (lane == 0) sh.sel[lu] = 0;
+        --count;
+        __syncwarp();
+      }
+      // The list: the selected candidates of U[a..ui] in U order, compacted by ballots.
+      int32_t* dst = p.out + (bh * p.L + i) * p.k;
+      int64_t filled = 0;
+      for (int64_t u0 = a; u0 <= ui; u0 += 32) {
+        const int64_t u = u0 + lane;
+        const bool on = u <= ui && sh.sel[u];
+        const unsigned m = __ballot_sync(dev::kFullMask, on);
+        if (on) dst[filled + __popc(m & lanes_below)] = sh.pos[u];
+        filled += __popc(m);
+      }
+      for (int64_t t = filled + lane; t < p.k; t += 32) dst[t] = -1;
+      __syncwarp();
+    }
+  }
+}
+
+// Shared memory per warp (bytes, a multiple of 16) of the scan kernels and of query_kernel.
+int64_t scan_smem_per_warp(int64_t k) { return (3 * k * 8 + 15) / 16 * 16; }
+int64_t sort_len_for(int64_t k) {
+  int64_t n = 1;
+  while (n < k) n *= 2;
+  return n;
+}
+int64_t query_smem_per_warp(int64_t k) {
+  return ((k + kTopKBlock) * 8 + (sort_len_for(k) + kTopKBlock) * 4 + (k + kTopKBlock) + 15) / 16 * 16;
+}
+
+// Warps per block for `per_warp` bytes of shared memory each: up to 4 within the default 48 KiB,
+// else one (the kernel is then allowed the larger dynamic size).
+template <class Kernel>
+int warps_for(Kernel kernel, int64_t per_warp) {
+  int warps = 4;
+  while (warps > 1 && warps * per_warp > 48 * 1024) warps /= 2;
+  if (warps * per_warp > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)per_warp);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("top_k_prefix: cannot give a kernel ") + std::to_string(per_warp) +
+                               " bytes of shared memory: " + cudaGetErrorString(e));
+  }
+  return warps;
+}
+
+template <class T>
+void launch(const TopKPrefixParams& p, cudaStream_t st) {
+  const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), BH = p.B * p.H;
+  block_top_kernel<T><<<dev::grid_for(BH * nblk * 32, dev::kThreads), dev::kThreads, 0, st>>>(p);
+  ops::cuda::check_launch("top_k_prefix (block top)");
+
+  const int64_t scan_smem = scan_smem_per_warp(p.k);
+  int warps = warps_for(super_fold_kernel, scan_smem);
+  super_fold_kernel<<<dev::grid_for(BH * nsup, warps), warps * 32, warps * scan_smem, st>>>(p, scan_smem);
+  ops::cuda::check_launch("top_k_prefix (super fold)");
+  warps = warps_for(super_prefix_kernel, scan_smem);
+  super_prefix_kernel<<<dev::grid_for(BH, warps), warps * 32, warps * scan_smem, st>>>(p, scan_smem);
+  ops::cuda::check_launch("top_k_prefix (super prefix)");
+  warps = warps_for(block_prefix_kernel, scan_smem);
+  block_prefix_kernel<<<dev::grid_for(BH * nsup, warps), warps * 32, warps * scan_smem, st>>>(p, scan_smem);
+  ops::cuda::check_launch("top_k_prefix (block prefix)");
+
+  const int64_t query_smem = query_smem_per_warp(p.k);
+  warps = warps_for(query_kernel<T>, query_smem);
+  query_kernel<T><<<dev::grid_for(BH * nblk, warps), warps * 32, warps * query_smem, st>>>(p, sort_len_for(p.k),
+                                                                                           query_smem);
+  ops::cuda::check_launch("top_k_prefix (queries)");
+}
+
+}  // namespace
+
+void top_k_prefix_cuda(const TopKPrefixParams& p, DType dtype, void* stream) {
+  if (p.B * p.H * p.L == 0) return;
+  if (p.k < 1 || p.k >= p.L || p.k > kTopKMaxK)
+    throw std::runtime_error("top_k_prefix_cuda: k = " + std::to_string(p.k) + " must be in [1, min(L - 1, " +
+                             std::to_string(kTopKMaxK) + ")]");
+  HAX_DISPATCH_DTYPE(dtype, [&] { launch<scalar_t>(p, (cudaStream_t)stream); });
+}
+
+}  // namespace hax::patterns

@@ -1,0 +1,152 @@
+// Plain parameters of the pattern builders' CUDA kernels and their launchers (no LibTorch: the .cu
+// files of patterns/cuda/ include this). The tensor-level CUDA paths that fill these structs are
+// declared in patterns/cuda_paths.h. Every pointer is to contiguous device memory; every launcher
+// takes `stream`, a cudaStream_t.
+#pragma once
+#include <cstdint>
+
+#include "ops/kernel_dtype.h"
+
+namespace hax::patterns {
+
+using ops::DType;
+
+// ---------------------------------------------------------------------------------------------
+// Packed sequences.
+
+// The bounds of every position's packed sequence: [start, end) is the sequence of position i.
+struct SequenceBoundsParams {
+  int64_t B = 0, L = 0;          // rows, positions per row
+  const int32_t* seq = nullptr;  // (B, L) non-decreasing sequence numbers, or null (one sequence per row)
+  int32_t* start = nullptr;      // out (B, L): first position of i's sequence
+  int32_t* end = nullptr;        // out (B, L): one past the last position of i's sequence
+};
+void sequence_bounds_cuda(const SequenceBoundsParams& p, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// SW, sink, dilated: every query's keys are an arithmetic progression within its sequence.
+
+enum class ProgressionKind {
+  kSlidingWindow,  // the k most recent keys, self included
+  kSink,           // the first k keys of the sequence (<= i)
+  kDilated,        // keys with (j - start) mod stride = stride - 1, the k most recent
+};
+
+struct ProgressionParams {
+  int64_t B = 0, H = 0, L = 0, k = 0;  // batch, heads, positions, slots per query
+  int64_t stride = 1;                  // the dilation r (kDilated only)
+  ProgressionKind kind = ProgressionKind::kSlidingWindow;
+  const int32_t* start = nullptr;  // (B, L) sequence start of each position
+  int32_t* out = nullptr;          // out (B, H, L, k) int32 lists, -1 padded
+};
+void progression_lists_cuda(const ProgressionParams& p, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// LSH.
+
+// Buckets of x (B, L, H, N): v = x·proj in float64 (products summed in order of n), centered by
+// the causal running mean of v over the position's own sequence, binned by sign bits or argmax.
+struct LshBucketsParams {
+  int64_t B = 0, L = 0, H = 0, N = 0;  // x's shape (B, L, H, N)
+  int64_t h = 0;                       // projections (columns of proj)
+  bool argmax = false;                 // binning: argmax over the h columns (else sign bits)
+  const void* x = nullptr;             // (B, L, H, N) float32 or bfloat16 (the launcher's dtype)
+  const double* proj = nullptr;        // (N, h) float64
+  const int32_t* start = nullptr;      // (B, L) sequence start of each position
+  double* values = nullptr;            // workspace (B, L, H, h): x·proj, then (h > 32) the centered values
+  double* tiles = nullptr;             // workspace (B, H·h, lsh_bucket_tiles(L)): tile sums, then carries
+  int32_t* out = nullptr;              // out (B, L, H) int32 buckets
+};
+// Positions per tile of the running-mean scan, and the number of tiles of a row.
+constexpr int64_t kLshTile = 64;
+HAX_HOST_DEVICE inline int64_t lsh_bucket_tiles(int64_t L) { return (L + kLshTile - 1) / kLshTile; }
+void lsh_buckets_cuda(const LshBucketsParams& p, DType dtype, void* stream);
+
+// Sort keys of (sequence, bucket, position): for position i of sequence [s, e) (n = e - s) in
+// bucket c, key = nb·s + c·n + (i - s), nb the number of buckets. Sequences occupy disjoint key
+// ranges [nb·s, nb·e) in order, and within one the keys order by (bucket, position): sorting a
+// (b, h) row's keys sorts it by (sequence, bucket, position), and the sequence [s, e) lands at
+// sorted indices [s, e). Keys are unique and < nb·L.
+struct LshSortKeysParams {
+  int64_t B = 0, L = 0, H = 0;
+  int64_t num_buckets = 0;          // nb: 2^h (sign) or h (argmax)
+  const int32_t* bucket = nullptr;  // (B, L, H) buckets
+  const int32_t* start = nullptr;   // (B, L)
+  const int32_t* end = nullptr;     // (B, L)
+  bool keys64 = true;               // keys are int64 (else int32: needs nb·L <= INT32_MAX)
+  void* keys = nullptr;             // out (B, H, L) int64 or int32
+};
+void lsh_sort_keys_cuda(const LshSortKeysParams& p, void* stream);
+
+// Query i's keys: the sorted key entries of its sequence and its query bucket with position <= i
+// are one slice, found by binary search for [key(s), key(i)] of that bucket; the last K of it.
+struct LshListsParams {
+  int64_t B = 0, L = 0, H = 0;
+  int64_t K = 0;                        // slots per query
+  int64_t num_buckets = 0;              // nb, as for the keys
+  const int32_t* q_bucket = nullptr;    // (B, L, H) query buckets
+  const int32_t* start = nullptr;       // (B, L)
+  const int32_t* end = nullptr;         // (B, L)
+  bool keys64 = true;                   // sorted_keys are int64 (else int32)
+  const void* sorted_keys = nullptr;    // (B, H, L) the key sort keys, ascending per (b, h)
+  const int64_t* sorted_pos = nullptr;  // (B, H, L) the position of each sorted key (the sort's indices)
+  int32_t* out = nullptr;               // out (B, H, L, K)
+};
+void lsh_lists_cuda(const LshListsParams& p, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// Key Selection: top k scores of the causal prefix of the query's sequence.
+//
+// Candidates are compared by a 64-bit key, larger = better: the score (NaN as -inf, -0 as +0) in
+// the high 32 bits as an order-preserving unsigned integer, the inverted position in the low 32
+// bits (equal scores: the earlier position is larger). Keys are > 0; 0 marks an empty slot.
+// Positions are cut into blocks of kTopKBlock queries, blocks into super blocks of kTopKSuper.
+constexpr int64_t kTopKBlock = 64;
+constexpr int64_t kTopKSuper = 32;
+// The largest k the query kernel's shared memory holds (k < L; k >= L is the sliding window).
+constexpr int64_t kTopKMaxK = 8192;
+HAX_HOST_DEVICE inline int64_t top_k_blocks(int64_t L) { return (L + kTopKBlock - 1) / kTopKBlock; }
+HAX_HOST_DEVICE inline int64_t top_k_supers(int64_t L) { return (top_k_blocks(L) + kTopKSuper - 1) / kTopKSuper; }
+
+struct TopKPrefixParams {
+  int64_t B = 0, L = 0, H = 0;       // scores' shape (B, L, H)
+  int64_t k = 0;                     // keys per query, 1 <= k < L, k <= kTopKMaxK
+  const void* scores = nullptr;      // (B, L, H) float32 or bfloat16
+  const int32_t* start = nullptr;    // (B, L) sequence start of each position
+  uint64_t* block_top = nullptr;     // workspace (B, H, top_k_blocks(L), k): each block's own top k (its last sequence)
+  uint64_t* block_prefix = nullptr;  // workspace (B, H, top_k_blocks(L), k): top k of the sequence before each block
+  uint64_t* super_top = nullptr;     // workspace (B, H, top_k_supers(L), k): each super block's top k
+  uint64_t* super_prefix = nullptr;  // workspace (B, H, top_k_supers(L), k): top k before each super block
+  int32_t* out = nullptr;            // out (B, H, L, k)
+};
+void top_k_prefix_cuda(const TopKPrefixParams& p, DType dtype, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// Merge: the union of two ascending lists per row, duplicates removed.
+
+struct MergeListsParams {
+  int64_t rows = 0;            // B·H·L
+  int64_t Ka = 0, Kb = 0;      // slots of a and b; the output has Ka + Kb
+  const int32_t* a = nullptr;  // (rows, Ka) ascending, -1 after the last key
+  const int32_t* b = nullptr;  // (rows, Kb)
+  int32_t* out = nullptr;      // out (rows, Ka + Kb)
+};
+void merge_lists_cuda(const MergeListsParams& p, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// HSA: the top-k chunks of every query by q_ret · landmark among the chunks [lo, hi) it may
+// retrieve (scores in float32, products accumulated by fused multiply-adds in order of d).
+
+struct TopKChunksParams {
+  int64_t B = 0, L = 0, D = 0, NC = 0;  // q_ret (B, L, D), landmarks (B, NC, D)
+  int64_t k = 0;                        // chunks per query
+  const void* q = nullptr;              // (B, L, D) float32 or bfloat16
+  const void* landmarks = nullptr;      // (B, NC, D) same dtype
+  const int32_t* lo = nullptr;          // (B, L)
+  const int32_t* hi = nullptr;          // (B, L)
+  float* best = nullptr;                // workspace (B, L, k): the kept scores
+  int32_t* out = nullptr;               // out (B, L, k) ascending chunk indices, -1 padded
+};
+void top_k_chunks_cuda(const TopKChunksParams& p, DType dtype, void* stream);
+
+}  // namespace hax::patterns

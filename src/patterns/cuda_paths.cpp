@@ -1,0 +1,211 @@
+// The CUDA paths of the pattern builders (see cuda_paths.h): outputs and workspace on the device,
+// LibTorch's sort for LSH and LibTorch ops for HSA's chunk layout, and the launchers of
+// patterns/cuda/. Outputs come from ops::new_output, so tests that poison outputs see any slot a
+// kernel leaves unwritten.
+#include "patterns/cuda_paths.h"
+
+#if defined(HAX_CUDA_KERNELS)
+#include <climits>
+
+#include "core/error.h"
+#include "ops/backend.h"
+#include "patterns/internal.h"
+
+namespace hax::patterns::detail {
+namespace {
+
+at::TensorOptions int32_on(const at::Device& d) { return at::TensorOptions().dtype(at::kInt).device(d); }
+
+}  // namespace
+
+void* stream_of(const at::Tensor& t) { return t.is_cuda() ? ops::cuda_stream(t) : nullptr; }
+
+SequenceBounds sequence_bounds_device(const at::Tensor& seq, int64_t B, int64_t L, const at::Device& device) {
+  SequenceBounds r{at::empty({B, L}, int32_on(device)), at::empty({B, L}, int32_on(device))};
+  const at::Tensor s = seq.defined() ? seq.to(device, at::kInt).contiguous() : seq;
+  SequenceBoundsParams p;
+  p.B = B, p.L = L;
+  p.seq = s.defined() ? s.data_ptr<int32_t>() : nullptr;
+  p.start = r.start.data_ptr<int32_t>(), p.end = r.end.data_ptr<int32_t>();
+  sequence_bounds_cuda(p, stream_of(r.start));
+  return r;
+}
+
+at::Tensor progression_lists_device(ProgressionKind kind, int64_t B, int64_t H, int64_t L, int64_t k, int64_t stride,
+                                    const at::Tensor& seq, const at::Device& device) {
+  const SequenceBounds bounds = sequence_bounds_device(seq, B, L, device);
+  at::Tensor idx = ops::new_output({B, H, L, k}, int32_on(device));
+  ProgressionParams p;
+  p.B = B, p.H = H, p.L = L, p.k = k, p.stride = stride, p.kind = kind;
+  p.start = bounds.start.data_ptr<int32_t>();
+  p.out = idx.data_ptr<int32_t>();
+  progression_lists_cuda(p, stream_of(idx));
+  return idx;
+}
+
+at::Tensor lsh_buckets_device(const at::Tensor& x0, const at::Tensor& proj, Binning binning, const at::Tensor& start) {
+  const at::Tensor x = x0.detach().contiguous();
+  const at::Device dev = x.device();
+  const int64_t B = x.size(0), L = x.size(1), H = x.size(2), N = x.size(3), h = proj.size(1);
+  const at::Tensor P = proj.detach().to(dev, at::kDouble).contiguous();
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(dev);
+  const at::Tensor values = at::empty({B, L, H, h}, f64), tiles = at::empty({B, H * h, lsh_bucket_tiles(L)}, f64);
+  at::Tensor out = ops::new_output({B, L, H}, int32_on(dev));
+  if (out.numel() == 0) return out;
+  LshBucketsParams p;
+  p.B = B, p.L = L, p.H = H, p.N = N, p.h = h, p.argmax = binning == Binning::kArgmax;
+  p.x = x.data_ptr(), p.proj = P.data_ptr<double>(), p.start = start.data_ptr<int32_t>();
+  p.values = values.data_ptr<double>(), p.tiles = tiles.data_ptr<double>(), p.out = out.data_ptr<int32_t>();
+  lsh_buckets_cuda(p, ops::kernel_dtype(x), stream_of(out));
+  return out;
+}
+
+KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
+                    const at::Tensor& seq) {
+  const at::Device dev = q.device();
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), h = proj.size(1);
+  at::Tensor idx = ops::new_output({B, H, L, keys}, int32_on(dev));
+  if (B * H * L == 0) return {idx, at::empty({B, H, L}, int32_on(dev))};
+  const SequenceBounds bounds = sequence_bounds_device(seq, B, L, dev);
+  const at::Tensor bq = lsh_buckets_device(q, proj, binning, bounds.start);
+  const at::Tensor bk = lsh_buckets_device(k.to(dev), proj, binning, bounds.start);
+  const int64_t nb = binning == Binning::kSign ? (int64_t)1 << h : h;
+  const bool keys64 = nb * L > INT32_MAX;
+  // Every (b, h) row's sort keys of (sequence, bucket, position), sorted.
+  auto sorted = [&](const at::Tensor& bucket) {
+    at::Tensor key = at::empty({B, H, L}, at::TensorOptions().dtype(keys64 ? at::kLong : at::kInt).device(dev));
+    LshSortKeysParams p;
+    p.B = B, p.L = L, p.H = H, p.num_buckets = nb, p.keys64 = keys64;
+    p.bucket = bucket.data_ptr<int32_t>(), p.start = bounds.start.data_ptr<int32_t>();
+    p.end = bounds.end.data_ptr<int32_t>(), p.keys = key.data_ptr();
+    lsh_sort_keys_cuda(p, stream_of(key));
+    auto [values, positions] = at::sort(key, -1);
+    return std::make_pair(values.contiguous(), positions.contiguous());
+  };
+  const auto [key_sorted, key_pos] = sorted(bk);
+  const auto query_order = sorted(bq).second;  // queries by (sequence, bucket, position)
+  LshListsParams p;
+  p.B = B, p.L = L, p.H = H, p.K = keys, p.num_buckets = nb, p.keys64 = keys64;
+  p.q_bucket = bq.data_ptr<int32_t>(), p.start = bounds.start.data_ptr<int32_t>();
+  p.end = bounds.end.data_ptr<int32_t>(), p.sorted_keys = key_sorted.data_ptr();
+  p.sorted_pos = key_pos.data_ptr<int64_t>(), p.out = idx.data_ptr<int32_t>();
+  lsh_lists_cuda(p, stream_of(idx));
+  return {idx, query_order.to(at::kInt)};
+}
+
+at::Tensor top_k_prefix_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
+  const at::Tensor scores = scores0.detach().contiguous();
+  const at::Device dev = scores.device();
+  const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2);
+  // With k >= L every key of the prefix is kept: the sliding window of k.
+  if (k >= L) return progression_lists_device(ProgressionKind::kSlidingWindow, B, H, L, k, 1, seq, dev);
+  HAX_CHECK(k <= kTopKMaxK, "top_k_prefix: k = {} is above the CUDA kernels' {}", k, kTopKMaxK);
+  at::Tensor idx = ops::new_output({B, H, L, k}, int32_on(dev));
+  if (B * H == 0) return idx;
+  const SequenceBounds bounds = sequence_bounds_device(seq, B, L, dev);
+  const int64_t lists_blk = B * H * top_k_blocks(L) * k, lists_sup = B * H * top_k_supers(L) * k;
+  const at::Tensor work = at::empty({2 * lists_blk + 2 * lists_sup}, at::TensorOptions().dtype(at::kLong).device(dev));
+  uint64_t* w = (uint64_t*)work.data_ptr<int64_t>();
+  TopKPrefixParams p;
+  p.B = B, p.L = L, p.H = H, p.k = k;
+  p.scores = scores.data_ptr(), p.start = bounds.start.data_ptr<int32_t>();
+  p.block_top = w, p.block_prefix = w + lists_blk;
+  p.super_top = w + 2 * lists_blk, p.super_prefix = w + 2 * lists_blk + lists_sup;
+  p.out = idx.data_ptr<int32_t>();
+  top_k_prefix_cuda(p, ops::kernel_dtype(scores), stream_of(idx));
+  return idx;
+}
+
+at::Tensor merge_device(const at::Tensor& a0, const at::Tensor& b0) {
+  const at::Tensor a = a0.contiguous(), b = b0.to(a0.device()).contiguous();
+  const int64_t B = a.size(0), H = a.size(1), L = a.size(2), Ka = a.size(3), Kb = b.size(3);
+  at::Tensor out = ops::new_output({B, H, L, Ka + Kb}, int32_on(a.device()));
+  MergeListsParams p;
+  p.rows = B * H * L, p.Ka = Ka, p.Kb = Kb;
+  p.a = a.data_ptr<int32_t>(), p.b = b.data_ptr<int32_t>(), p.out = out.data_ptr<int32_t>();
+  merge_lists_cuda(p, stream_of(out));
+  return out;
+}
+
+ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq, const at::Device& device) {
+  const auto i64 = at::TensorOptions().dtype(at::kLong).device(device);
+  if (B * L == 0)
+    return {chunk, at::full({B, 0}, -1, int32_on(device)), at::zeros({B, L}, int32_on(device)),
+            at::zeros({B, L}, int32_on(device))};
+  const SequenceBounds bounds = sequence_bounds_device(seq, B, L, device);
+  const at::Tensor s = bounds.start.to(at::kLong), e = bounds.end.to(at::kLong);
+  const at::Tensor pos = at::arange(L, i64).view({1, L}).expand({B, L});
+  const at::Tensor rel = pos - s;                           // position within the sequence
+  const at::Tensor n_seq = at::div(e - s, chunk, "trunc");  // complete chunks of the sequence
+  const at::Tensor m = at::div(rel, chunk, "trunc");        // chunk of the position in its sequence
+  // The row's chunks before the sequence: an inclusive cumsum of n_seq over sequence starts, less its own.
+  const at::Tensor at_start = at::where(rel.eq(0), n_seq, at::zeros_like(n_seq));
+  const at::Tensor cum = at_start.cumsum(1);
+  const at::Tensor first = cum - n_seq;
+  const int64_t NC = cum.select(1, L - 1).max().item<int64_t>();
+  // start[b, first + m] = the position where chunk m of a sequence begins; the rest goes to column NC.
+  const at::Tensor begins = rel.remainder(chunk).eq(0) & m.lt(n_seq);
+  const at::Tensor column = at::where(begins, first + m, at::full({}, NC, i64));
+  at::Tensor start = at::full({B, NC + 1}, -1, i64);
+  start.scatter_(1, column, pos.contiguous());
+  return {chunk, start.narrow(1, 0, NC).to(at::kInt).contiguous(), first.to(at::kInt).contiguous(),
+          (first + m).to(at::kInt).contiguous()};
+}
+
+at::Tensor top_k_chunks_device(const at::Tensor& q_ret, const at::Tensor& landmarks, const at::Tensor& lo0,
+                               const at::Tensor& hi0, int64_t k) {
+  constexpr const char* kOp = "top_k_chunks";
+  const at::Tensor q = q_ret.detach().contiguous();
+  const at::Device dev = q.device();
+  const at::Tensor lm = landmarks.detach().to(dev).contiguous();
+  const at::Tensor lo = lo0.to(dev).contiguous(), hi = hi0.to(dev).contiguous();
+  const int64_t B = q.size(0), L = q.size(1), D = q.size(2), NC = lm.size(1);
+  if (B * L > 0) {
+    const at::Tensor bad = (lo.lt(0) | lo.gt(hi) | hi.gt(NC)).flatten();
+    if (bad.any().item<bool>()) {
+      const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();
+      fail("{}: the chunk range [lo, hi) = [{}, {}) of query {} is not within [0, NC = {}]", kOp,
+           lo.flatten()[i].item<int32_t>(), hi.flatten()[i].item<int32_t>(), i, NC);
+    }
+  }
+  at::Tensor out = ops::new_output({B, L, k}, int32_on(dev));
+  const at::Tensor best = at::empty({B, L, k}, at::TensorOptions().dtype(at::kFloat).device(dev));
+  TopKChunksParams p;
+  p.B = B, p.L = L, p.D = D, p.NC = NC, p.k = k;
+  p.q = q.data_ptr(), p.landmarks = lm.data_ptr(), p.lo = lo.data_ptr<int32_t>(), p.hi = hi.data_ptr<int32_t>();
+  p.best = best.data_ptr<float>(), p.out = out.data_ptr<int32_t>();
+  top_k_chunks_cuda(p, ops::kernel_dtype(q), stream_of(out));
+  return out;
+}
+
+}  // namespace hax::patterns::detail
+
+#else  // no CUDA kernels: the builders reject CUDA tensors and devices before reaching these
+
+#include "core/error.h"
+
+namespace hax::patterns::detail {
+namespace {
+[[noreturn]] void no_kernels() {
+  fail("the pattern builders' CUDA paths are not in this build of hax (no CUDA kernels)");
+}
+}  // namespace
+void* stream_of(const at::Tensor&) { return nullptr; }
+SequenceBounds sequence_bounds_device(const at::Tensor&, int64_t, int64_t, const at::Device&) { no_kernels(); }
+at::Tensor progression_lists_device(ProgressionKind, int64_t, int64_t, int64_t, int64_t, int64_t, const at::Tensor&,
+                                    const at::Device&) {
+  no_kernels();
+}
+at::Tensor lsh_buckets_device(const at::Tensor&, const at::Tensor&, Binning, const at::Tensor&) { no_kernels(); }
+KeyLists lsh_device(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, Binning, const at::Tensor&) {
+  no_kernels();
+}
+at::Tensor top_k_prefix_device(const at::Tensor&, int64_t, const at::Tensor&) { no_kernels(); }
+at::Tensor merge_device(const at::Tensor&, const at::Tensor&) { no_kernels(); }
+ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, const at::Device&) { no_kernels(); }
+at::Tensor top_k_chunks_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  no_kernels();
+}
+}  // namespace hax::patterns::detail
+
+#endif  // HAX_CUDA_KERNELS

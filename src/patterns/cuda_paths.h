@@ -1,0 +1,52 @@
+// The CUDA paths of the pattern builders (not part of the public API): the same lists as the CPU
+// code, built by the kernels of patterns/cuda/ on the device of the given tensors, returned there.
+// The public builders call them for CUDA inputs (or a CUDA `device`) after their argument checks;
+// the arguments here are already checked. Defined only in builds with the CUDA kernels
+// (HAX_CUDA_KERNELS). Every function works on whatever device its tensors are on: the kernels get
+// the stream of stream_of(), so tests that emulate the kernels on the CPU can call these too.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "patterns/cuda_params.h"
+#include "patterns/pattern.h"
+
+namespace hax::patterns::detail {
+
+// LibTorch's current stream on t's CUDA device (made current), or null for a CPU tensor.
+void* stream_of(const at::Tensor& t);
+
+// The sequence bounds of every position, (B, L) int32 on `device`: [start, end) is i's packed
+// sequence. seq: the checked seq_idx (int32, any device) or undefined (one sequence per row).
+struct SequenceBounds {
+  at::Tensor start, end;
+};
+SequenceBounds sequence_bounds_device(const at::Tensor& seq, int64_t B, int64_t L, const at::Device& device);
+
+// sliding_window / sink / dilated (stride r), (B, H, L, k) on `device`.
+at::Tensor progression_lists_device(ProgressionKind kind, int64_t B, int64_t H, int64_t L, int64_t k, int64_t stride,
+                                    const at::Tensor& seq, const at::Device& device);
+
+// lsh_buckets of x (B, L, H, N) (float32 or bfloat16), with `start` from sequence_bounds_device.
+at::Tensor lsh_buckets_device(const at::Tensor& x, const at::Tensor& proj, Binning binning, const at::Tensor& start);
+
+// lsh: lists and q_order on q's device.
+KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
+                    const at::Tensor& seq);
+
+// top_k_prefix of scores (B, L, H) (float32 or bfloat16): (B, H, L, k) on its device.
+at::Tensor top_k_prefix_device(const at::Tensor& scores, int64_t k, const at::Tensor& seq);
+
+// merge's lists: the union of a (B, H, L, Ka) and b (B, H, L, Kb) int32, on a's device.
+at::Tensor merge_device(const at::Tensor& a, const at::Tensor& b);
+
+// chunk_layout on `device`.
+ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq, const at::Device& device);
+
+// top_k_chunks of q_ret (B, L, D) against landmarks (B, NC, D) (float32 or bfloat16) among [lo, hi),
+// (B, L, k) on q_ret's device.
+at::Tensor top_k_chunks_device(const at::Tensor& q_ret, const at::Tensor& landmarks, const at::Tensor& lo,
+                               const at::Tensor& hi, int64_t k);
+
+}  // namespace hax::patterns::detail
