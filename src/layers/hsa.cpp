@@ -92,7 +92,7 @@ std::pair<at::Tensor, at::Tensor> HierarchicalSparseAttention::select(const at::
 }
 
 std::pair<at::Tensor, at::Tensor> HierarchicalSparseAttention::retrieve(const at::Tensor& x, const at::Tensor& seq_idx) {
-  const patterns::ChunkLayout lay = patterns::chunk_layout(x.size(0), x.size(1), chunk_, seq_idx);
+  const patterns::ChunkLayout lay = patterns::chunk_layout(x.size(0), x.size(1), chunk_, seq_idx, x.device());
   return select(project(ret_q, x), encoder->forward(x, lay.start, chunk_), lay.lo, lay.hi);
 }
 
@@ -100,7 +100,7 @@ at::Tensor HierarchicalSparseAttention::forward(const at::Tensor& x, const at::T
                                                 const at::Tensor& v, const at::Tensor& seq_idx, double scale,
                                                 at::Tensor* lists_out) {
   const int64_t B = x.size(0), L = x.size(1), H = q.size(2);
-  const patterns::ChunkLayout lay = patterns::chunk_layout(B, L, chunk_, seq_idx);
+  const patterns::ChunkLayout lay = patterns::chunk_layout(B, L, chunk_, seq_idx, x.device());
   auto [chunks, w] = select(project(ret_q, x), encoder->forward(x, lay.start, chunk_), lay.lo, lay.hi);
   const at::Tensor idx = patterns::chunk_lists(chunks, lay.start, chunk_, H);  // (B, H, L, k, C)
   const at::Tensor seg_w = w.unsqueeze(1).expand({B, H, L, topk_}).contiguous();
