@@ -8,6 +8,10 @@
 //   re_i = [s_i = s_prev] exp(cs_i)             weight of the entering state in y_i
 //   g    = [s_last = s_prev] exp(cs_last)       decay of the entering state across the sub-chunk
 //   S_leave = g S_enter + Σ_j w_j (dt_j x_j) B_j^T
+// The tile kernels come in two forms (kVec): vectorized staging (16-byte loads of 8 neighbours
+// along global memory's contiguous direction, see tile.cuh), used when P and N are multiples of
+// 8 and x, B, C (dy) are 16-byte aligned; element-wise staging otherwise. The state pass keeps
+// the loads of the next 8 sub-chunks in flight while it updates the current 8.
 #pragma once
 #include "ops/ssd/cuda/tile.cuh"
 #include "ops/ssd/params.h"
@@ -75,10 +79,18 @@ __global__ void prep_kernel(SsdParams p, SsdScratch w) {
   w.decay[(b * H + h) * S + s] = u.s_last == u.s_prev ? expf(acc) : 0.f;
 }
 
+// Whether the vectorized staging applies (tile.cuh): head dim and state size multiples of 8 and
+// x, B, C (and dy, when given) 16-byte aligned, so that every octet the kernels load is aligned.
+inline bool ssd_vec(const SsdParams& p, const void* dy = nullptr) {
+  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return p.headdim % 8 == 0 && p.dstate % 8 == 0 && aligned(p.x) && aligned(p.Bm) && aligned(p.Cm) &&
+         (dy == nullptr || aligned(dy));
+}
+
 // cb(i, j) = C_i . B_j for every (row, group, sub-chunk), 64 x 64 (zero outside the sub-chunk).
 // Grid: S * B * G blocks, block s + S (b G + g).
-template <class T>
-__global__ void __launch_bounds__(kThreads) cb_kernel(SsdParams p, SsdScratch w) {
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(SsdParams p, SsdScratch w) {
   using S_t = typename Operand<T>::S;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
@@ -90,10 +102,15 @@ __global__ void __launch_bounds__(kThreads) cb_kernel(SsdParams p, SsdScratch w)
   const T* Bm = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
   Acc acc;
   acc.zero();
+#pragma unroll 1
   for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
     const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), ks = round16(kn);
-    stage<true>(sA, ks, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * ld + n0 + k]) : 0.f; });
-    stage<true>(sB, ks, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ld + n0 + k]) : 0.f; });
+    stage_op<kVec, true, false>(
+        sA, sA, ks, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * ld + n0 + k]) : 0.f; },
+        [&](int i, int k, float(&v)[8]) { load8(C + i * ld + n0 + k, i < u.len && k < kn, v); });
+    stage_op<kVec, true, false>(
+        sB, sB, ks, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ld + n0 + k]) : 0.f; },
+        [&](int j, int k, float(&v)[8]) { load8(Bm + j * ld + n0 + k, j < u.len && k < kn, v); });
     __syncthreads();
     mma_slab(acc, sA, sB, ks);
     __syncthreads();
@@ -107,8 +124,8 @@ __global__ void __launch_bounds__(kThreads) cb_kernel(SsdParams p, SsdScratch w)
 //   backward (kGrad true): out(n, p) = Σ_i (re_i C_i[n]) dy_i[p]        (dS_enter from y's inter-chunk term)
 // The bracket is the computed (split) operand, x or dy enters as is.
 // Grid: (S * B * H, tiles of 64 n x 64 p); block s + S (b H + h). `out` holds (B, H, S, N, P).
-template <class T, bool kGrad>
-__global__ void __launch_bounds__(kThreads) local_state_kernel(SsdParams p, SsdScratch w, const T* v_src, float* out) {
+template <class T, bool kGrad, bool kVec>
+__global__ void __launch_bounds__(kThreads, kMinLocal) local_state_kernel(SsdParams p, SsdScratch w, const T* v_src, float* out) {
   using S_t = typename Operand<T>::S;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sL[kLoSize<T>];
@@ -136,10 +153,18 @@ __global__ void __launch_bounds__(kThreads) local_state_kernel(SsdParams p, SsdS
   const T* V = v_src + ((b * p.seqlen + u.t0) * H + h) * P + p0;
   const int ks = round16(u.len);
   // A(n, j) = coef_j U_j[n], B(p, j) = V_j[p]; both contiguous along n / p in global memory.
-  stage_split<false>(sA, sL, ks, [&](int n, int j) {
-    return j < u.len && n0 + n < N ? coef[j] * to_f32(U[j * ldu + n]) : 0.f;
-  });
-  stage<false>(sB, ks, [&](int q, int j) { return j < u.len && p0 + q < P ? to_f32(V[j * ldv + q]) : 0.f; });
+  stage_op<kVec, false, true>(
+      sA, sL, ks,
+      [&](int n, int j) { return j < u.len && n0 + n < N ? coef[j] * to_f32(U[j * ldu + n]) : 0.f; },
+      [&](int n, int j, float(&v)[8]) {
+        load8(U + j * ldu + n, j < u.len && n0 + n < N, v);
+        const float c = coef[j];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] *= c;
+      });
+  stage_op<kVec, false, false>(
+      sB, sB, ks, [&](int q, int j) { return j < u.len && p0 + q < P ? to_f32(V[j * ldv + q]) : 0.f; },
+      [&](int q, int j, float(&v)[8]) { load8(V + j * ldv + q, j < u.len && p0 + q < P, v); });
   __syncthreads();
   Acc acc;
   acc.zero();
@@ -171,43 +196,54 @@ __global__ void __launch_bounds__(kPassThreads) state_pass_kernel(SsdParams p, S
   const float* dec = w.decay + bh * S;
   float* cst = (float*)p.chunk_states + bh * p.nchunks() * NP + e;
   const int64_t pn = (bh * P + q) * N + n;  // entry (q, n) of a (B, H, P, N) state
-  // Steps go in groups of kAhead whose loads are issued before the dependent updates, so that
-  // enough loads are in flight to stream the states at memory bandwidth.
+  // Steps go in groups of kAhead; the loads of the next group are issued before the dependent
+  // updates of the current one, so that 2 kAhead loads per thread stay in flight.
   constexpr int kAhead = 8;
+  float loc[kAhead], dg[kAhead];
+  // Loads group k (sub-chunks k kAhead + m, reversed for kReverse) into l, d.
+  auto load = [&](int64_t grp, float (&l)[kAhead], float (&d)[kAhead]) {
+#pragma unroll
+    for (int m = 0; m < kAhead; ++m) {
+      const int64_t s0 = grp * kAhead + m, s = kReverse ? S - 1 - s0 : s0;
+      if (s0 < S) l[m] = st[s * NP], d[m] = dec[s];
+    }
+  };
+  const int64_t groups = (S + kAhead - 1) / kAhead;
+  load(0, loc, dg);
   if (!kReverse) {
     float run = !seed && p.init_state ? to_f32(((const T*)p.init_state)[pn]) : 0.f;
-    for (int64_t s0 = 0; s0 < S; s0 += kAhead) {
-      float loc[kAhead], dg[kAhead];
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      float nloc[kAhead], ndg[kAhead];
+      if (grp + 1 < groups) load(grp + 1, nloc, ndg);
 #pragma unroll
-      for (int k = 0; k < kAhead; ++k)
-        if (s0 + k < S) loc[k] = st[(s0 + k) * NP], dg[k] = dec[s0 + k];
-#pragma unroll
-      for (int k = 0; k < kAhead; ++k) {
-        const int64_t s = s0 + k;
+      for (int m = 0; m < kAhead; ++m) {
+        const int64_t s = grp * kAhead + m;
         if (s >= S) break;
         if (s % spc == 0) {
           if (seed) run = cst[(s / spc) * NP];
           else if (spc > 1) cst[(s / spc) * NP] = run;
         }
         st[s * NP] = run;
-        run = dg[k] * run + loc[k];
+        run = dg[m] * run + loc[m];
       }
+#pragma unroll
+      for (int m = 0; m < kAhead; ++m) loc[m] = nloc[m], dg[m] = ndg[m];
     }
     if (!seed) ((T*)p.final_state)[pn] = from_f32<T>(run);
   } else {
     float run = dfinal ? to_f32(dfinal[pn]) : 0.f;
-    for (int64_t s0 = S - 1; s0 >= 0; s0 -= kAhead) {
-      float loc[kAhead], dg[kAhead];
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      float nloc[kAhead], ndg[kAhead];
+      if (grp + 1 < groups) load(grp + 1, nloc, ndg);
 #pragma unroll
-      for (int k = 0; k < kAhead; ++k)
-        if (s0 - k >= 0) loc[k] = st[(s0 - k) * NP], dg[k] = dec[s0 - k];
-#pragma unroll
-      for (int k = 0; k < kAhead; ++k) {
-        const int64_t s = s0 - k;
-        if (s < 0) break;
+      for (int m = 0; m < kAhead; ++m) {
+        const int64_t s0 = grp * kAhead + m, s = S - 1 - s0;
+        if (s0 >= S) break;
         st[s * NP] = run;
-        run = dg[k] * run + loc[k];
+        run = dg[m] * run + loc[m];
       }
+#pragma unroll
+      for (int m = 0; m < kAhead; ++m) loc[m] = nloc[m], dg[m] = ndg[m];
     }
     if (dinit) dinit[pn] = from_f32<T>(run);
   }

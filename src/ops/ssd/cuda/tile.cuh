@@ -14,6 +14,10 @@
 //   - float32 storage: operands are float32 and each thread runs its 32 dot products with FMAs
 //     (exact float32, matching the CPU reference to rounding).
 // Staging zero-fills everything outside the valid ranges, so padded rows and k's add nothing.
+// Staging is what the kernels' speed depends on (the products are small): with the head dim and
+// state size multiples of 8 (and aligned inputs), each thread loads 4 octets of 8 neighbours in
+// global memory with 16-byte loads, all issued before any is stored (stage_op, kVec); otherwise
+// element by element, full slabs in batches of pairs whose loads are issued together.
 //
 // Precision of the bfloat16 path: the raw inputs (x, B, C, dy) enter the products exactly, and
 // per-row factors are applied to the float32 accumulators. An operand computed in float32 (a
@@ -32,6 +36,30 @@ using cuda::to_f32;
 constexpr int kT = 64;         // tile rows and columns (= kSsdSubChunk)
 constexpr int kThreads = 128;  // threads of a tile block: 4 warps, 2 x 2
 constexpr int kSlab = 64;      // k values staged per step
+// Resident blocks per SM that each kernel's register budget aims at (__launch_bounds__), chosen
+// on an H100 at L = 64K, bf16: 4 blocks (<= 128 registers) for the tile kernels, 6 for
+// local_state (its smaller tile). The macros let a timing driver try others.
+#ifndef HAX_SSD_MIN_BLOCKS
+#define HAX_SSD_MIN_BLOCKS 4
+#endif
+#ifndef HAX_SSD_MB_LOCAL
+#define HAX_SSD_MB_LOCAL 6
+#endif
+#ifndef HAX_SSD_MB_SCAN
+#define HAX_SSD_MB_SCAN HAX_SSD_MIN_BLOCKS
+#endif
+#ifndef HAX_SSD_MB_DX
+#define HAX_SSD_MB_DX HAX_SSD_MIN_BLOCKS
+#endif
+#ifndef HAX_SSD_MB_DBDC
+#define HAX_SSD_MB_DBDC HAX_SSD_MIN_BLOCKS
+#endif
+#ifndef HAX_SSD_MB_DCB
+#define HAX_SSD_MB_DCB HAX_SSD_MIN_BLOCKS
+#endif
+constexpr int kMinBlocks = HAX_SSD_MIN_BLOCKS;
+constexpr int kMinLocal = HAX_SSD_MB_LOCAL, kMinScan = HAX_SSD_MB_SCAN, kMinDx = HAX_SSD_MB_DX,
+              kMinDbdc = HAX_SSD_MB_DBDC, kMinDcb = HAX_SSD_MB_DCB;
 
 // Shared-memory operand type and row stride per storage type. The strides keep the fragment
 // loads free of bank conflicts (bfloat16: 36 words a row; float32: 68 words).
@@ -157,12 +185,72 @@ __device__ __forceinline__ void mma_slab(Acc& acc, const float* A, const float* 
 
 __device__ __forceinline__ int round16(int k) { return (k + 15) & ~15; }
 
+// Full-slab staging (ks = kSlab): the 64 x 64 slab is covered by 2048 pairs of neighbouring
+// elements (r, k), (r, k + 1), k even, 16 per thread; pair e of a thread is
+//   KFast:  r = q, k = 2 lane                                    (a warp: one row, 64 k)
+//   else:   r = 8 (q % 8) + lane % 8, k = 2 (4 (q / 8) + lane / 8)  (a warp: 8 rows x 4 k pairs)
+// with q = warp + 4 e. A pair is one 32-bit (bfloat16) or 64-bit (float32) shared store, and both
+// mappings keep a warp's bfloat16 stores free of bank conflicts. The values of kStageBatch pairs
+// are computed (their global loads issued together) before any is stored: loads in flight, not
+// one load per thread at a time, is what the staging's speed depends on.
+constexpr int kStagePairs = kT * kSlab / 2 / kThreads;  // 16
+#ifndef HAX_SSD_STAGE_BATCH
+#define HAX_SSD_STAGE_BATCH 4
+#endif
+constexpr int kStageBatch = HAX_SSD_STAGE_BATCH;
+
+template <bool KFast>
+__device__ __forceinline__ void pair_pos(int e, int& r, int& k) {
+  const int lane = lane_id(), q = (threadIdx.x >> 5) + e * (kThreads / 32);
+  if (KFast) {
+    r = q;
+    k = 2 * lane;
+  } else {
+    r = (q & 7) * 8 + (lane & 7);
+    k = 2 * ((q >> 3) * 4 + (lane >> 3));
+  }
+}
+
+__device__ __forceinline__ void store_pair(float* d, float a, float b) {
+  *reinterpret_cast<float2*>(d) = make_float2(a, b);
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* d, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(a, b);
+}
+// Stores hi = (a, b) rounded and, for bfloat16, lo = the rounding errors rounded.
+__device__ __forceinline__ void store_split_pair(float* hi, float*, float a, float b) { store_pair(hi, a, b); }
+__device__ __forceinline__ void store_split_pair(__nv_bfloat16* hi, __nv_bfloat16* lo, float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  *reinterpret_cast<__nv_bfloat162*>(hi) = h;
+  *reinterpret_cast<__nv_bfloat162*>(lo) = __floats2bfloat162_rn(a - __low2float(h), b - __high2float(h));
+}
+
 // Fills a shared operand slab: dst[r][k] = f(r, k) for r < 64, k < ks (a multiple of 16); f
-// returns float32 and must give 0 outside the valid ranges. KFast: consecutive threads take
-// consecutive k (global memory contiguous along k); otherwise consecutive rows.
+// returns float32 and must give 0 outside the valid ranges. KFast: global memory is contiguous
+// along k (consecutive threads take consecutive k); otherwise along r.
 template <bool KFast, class S, class F>
 __device__ __forceinline__ void stage(S* dst, int ks, F&& f) {
   constexpr int ld = Operand<S>::kLd;
+  if (ks == kSlab) {
+#pragma unroll
+    for (int e0 = 0; e0 < kStagePairs; e0 += kStageBatch) {
+      float a[kStageBatch], b[kStageBatch];
+#pragma unroll
+      for (int e = 0; e < kStageBatch; ++e) {
+        int r, k;
+        pair_pos<KFast>(e0 + e, r, k);
+        a[e] = f(r, k);
+        b[e] = f(r, k + 1);
+      }
+#pragma unroll
+      for (int e = 0; e < kStageBatch; ++e) {
+        int r, k;
+        pair_pos<KFast>(e0 + e, r, k);
+        store_pair(dst + r * ld + k, a[e], b[e]);
+      }
+    }
+    return;
+  }
   const int n = kT * ks;
   for (int idx = threadIdx.x; idx < n; idx += kThreads) {
     int r, k;
@@ -182,6 +270,26 @@ __device__ __forceinline__ void stage(S* dst, int ks, F&& f) {
 template <bool KFast, class S, class F>
 __device__ __forceinline__ void stage_split(S* hi, S* lo, int ks, F&& f) {
   constexpr int ld = Operand<S>::kLd;
+  if (ks == kSlab) {
+#pragma unroll
+    for (int e0 = 0; e0 < kStagePairs; e0 += kStageBatch) {
+      float a[kStageBatch], b[kStageBatch];
+#pragma unroll
+      for (int e = 0; e < kStageBatch; ++e) {
+        int r, k;
+        pair_pos<KFast>(e0 + e, r, k);
+        a[e] = f(r, k);
+        b[e] = f(r, k + 1);
+      }
+#pragma unroll
+      for (int e = 0; e < kStageBatch; ++e) {
+        int r, k;
+        pair_pos<KFast>(e0 + e, r, k);
+        store_split_pair(hi + r * ld + k, lo + r * ld + k, a[e], b[e]);
+      }
+    }
+    return;
+  }
   const int n = kT * ks;
   for (int idx = threadIdx.x; idx < n; idx += kThreads) {
     int r, k;
@@ -196,6 +304,112 @@ __device__ __forceinline__ void stage_split(S* hi, S* lo, int ks, F&& f) {
     const S h = from_f32<S>(v);
     hi[r * ld + k] = h;
     if (Operand<S>::kSplit) lo[r * ld + k] = from_f32<S>(v - to_f32(h));
+  }
+}
+
+// Vectorized staging of a whole 64 x 64 slab (used when the head dim and state size are
+// multiples of 8, so that every run of 8 elements along global memory's contiguous direction is
+// 16-byte aligned). The slab is 512 octets, 4 per thread; octet e of a thread is
+//   KFast: row r, k .. k + 7         (one 16-byte shared store)
+//   else:  rows r .. r + 7, column k (8 2-byte stores; a warp covers 32 consecutive k: no bank
+//                                     conflicts)
+// g(r, k, v) fills v[0..7] with the operand's values along the contiguous direction (zeros
+// outside the valid ranges; k beyond the product's ks is staged too but not read). All four
+// octets are computed (their global loads in flight together) before any is stored.
+template <bool KFast>
+__device__ __forceinline__ void oct_pos(int e, int& r, int& k) {
+  const int o = threadIdx.x + e * kThreads;
+  if (KFast) {
+    r = o >> 3;
+    k = (o & 7) * 8;
+  } else {
+    k = o & 63;
+    r = (o >> 6) * 8;
+  }
+}
+
+// v[0..7] = p[0..7] as float32 (zeros when !valid); p 16-byte aligned. Read-only data only.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, bool valid, float (&v)[8]) {
+  uint4 u = make_uint4(0u, 0u, 0u, 0u);
+  if (valid) u = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    v[2 * e] = __uint_as_float(w[e] << 16);              // low half: element 2e
+    v[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);  // high half: element 2e + 1
+  }
+}
+__device__ __forceinline__ void load8(const float* p, bool valid, float (&v)[8]) {
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+  if (valid) a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Stores octet v at (r, k) of hi (and, for a split bfloat16 operand, the rounding errors in lo).
+template <bool KFast, bool kSplit>
+__device__ __forceinline__ void store8(__nv_bfloat16* hi, __nv_bfloat16* lo, int r, int k, const float (&v)[8]) {
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+  if (KFast) {
+    uint4 h;
+    h.x = pack_bf16(v[0], v[1]), h.y = pack_bf16(v[2], v[3]), h.z = pack_bf16(v[4], v[5]), h.w = pack_bf16(v[6], v[7]);
+    *reinterpret_cast<uint4*>(hi + r * ld + k) = h;
+    if (kSplit) {
+      const uint32_t w[4] = {h.x, h.y, h.z, h.w};
+      uint32_t l[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        l[e] = pack_bf16(v[2 * e] - __uint_as_float(w[e] << 16), v[2 * e + 1] - __uint_as_float(w[e] & 0xffff0000u));
+      *reinterpret_cast<uint4*>(lo + r * ld + k) = make_uint4(l[0], l[1], l[2], l[3]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const __nv_bfloat16 h = __float2bfloat16(v[e]);
+      hi[(r + e) * ld + k] = h;
+      if (kSplit) lo[(r + e) * ld + k] = __float2bfloat16(v[e] - __bfloat162float(h));
+    }
+  }
+}
+template <bool KFast, bool kSplit>
+__device__ __forceinline__ void store8(float* hi, float*, int r, int k, const float (&v)[8]) {
+  constexpr int ld = Operand<float>::kLd;
+  if (KFast) {
+    float4* d = reinterpret_cast<float4*>(hi + r * ld + k);
+    d[0] = make_float4(v[0], v[1], v[2], v[3]);
+    d[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) hi[(r + e) * ld + k] = v[e];
+  }
+}
+
+// The staging entry point of the kernels: kVec picks the vectorized whole-slab path (g, octets)
+// or the element path (f, the first ks columns); kSplit stages hi + lo (lo unused for float32).
+template <bool kVec, bool KFast, bool kSplit, class S, class F, class G>
+__device__ __forceinline__ void stage_op(S* hi, S* lo, int ks, F&& f, G&& g) {
+  if constexpr (kVec) {
+    float v[4][8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r, k;
+      oct_pos<KFast>(e, r, k);
+      g(r, k, v[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r, k;
+      oct_pos<KFast>(e, r, k);
+      store8<KFast, kSplit && Operand<S>::kSplit>(hi, lo, r, k, v[e]);
+    }
+  } else if constexpr (kSplit) {
+    stage_split<KFast>(hi, lo, ks, f);
+  } else {
+    stage<KFast>(hi, ks, f);
   }
 }
 
