@@ -51,6 +51,7 @@ struct LshBucketsParams {
   int64_t h = 0;                       // projections (columns of proj)
   bool argmax = false;                 // binning: argmax over the h columns (else sign bits)
   const void* x = nullptr;             // (B, L, H, N) float32 or bfloat16 (the launcher's dtype)
+  int64_t x_sb = 0, x_sl = 0, x_sh = 0;  // x's strides (elements) of b, position and head; n's is 1
   const double* proj = nullptr;        // (N, h) float64
   const int32_t* start = nullptr;      // (B, L) sequence start of each position
   double* values = nullptr;            // workspace (B, L, H, h): x·proj, then (h > 32) the centered values
@@ -66,20 +67,40 @@ void lsh_buckets_cuda(const LshBucketsParams& p, DType dtype, void* stream);
 // bucket c, key = nb·s + c·n + (i - s), nb the number of buckets. Sequences occupy disjoint key
 // ranges [nb·s, nb·e) in order, and within one the keys order by (bucket, position): sorting a
 // (b, h) row's keys sorts it by (sequence, bucket, position), and the sequence [s, e) lands at
-// sorted indices [s, e). Keys are unique and < nb·L.
+// sorted indices [s, e). Keys are unique and < nb·L. With row_stride = nb·L, row r = b·H + h adds
+// r·nb·L: then one sort of all B·H·L keys sorts every row in place (rows in order).
 struct LshSortKeysParams {
   int64_t B = 0, L = 0, H = 0;
   int64_t num_buckets = 0;          // nb: 2^h (sign) or h (argmax)
   const int32_t* bucket = nullptr;  // (B, L, H) buckets
   const int32_t* start = nullptr;   // (B, L)
   const int32_t* end = nullptr;     // (B, L)
-  bool keys64 = true;               // keys are int64 (else int32: needs nb·L <= INT32_MAX)
-  void* keys = nullptr;             // out (B, H, L) int64 or int32
+  uint64_t row_stride = 0;          // added per row: r·row_stride (nb·L, or 0 for keys of each row alone)
+  bool keys64 = true;               // keys are uint64 (else uint32: needs every key < 2^32)
+  void* keys = nullptr;             // out (B, H, L) uint64 or uint32
+  int32_t* pos = nullptr;           // out (B, H, L): position i of every key (the sort's values), or null
 };
 void lsh_sort_keys_cuda(const LshSortKeysParams& p, void* stream);
 
+// One radix sort of n (key, position) pairs by the keys' low `bits` bits (every key < 2^bits).
+struct LshSortParams {
+  int64_t n = 0;
+  int bits = 64;
+  bool keys64 = true;                // uint64 keys (else uint32)
+  const void* keys_in = nullptr;     // (n) keys
+  void* keys_out = nullptr;          // out (n) the keys, ascending
+  const int32_t* pos_in = nullptr;   // (n) values
+  int32_t* pos_out = nullptr;        // out (n) the values in the keys' order
+  void* temp = nullptr;              // workspace of lsh_sort_temp_bytes(n, keys64, bits) bytes
+  size_t temp_bytes = 0;
+};
+size_t lsh_sort_temp_bytes(int64_t n, bool keys64, int bits);
+void lsh_sort_cuda(const LshSortParams& p, void* stream);
+
 // Query i's keys: the sorted key entries of its sequence and its query bucket with position <= i
-// are one slice, found by binary search for [key(s), key(i)] of that bucket; the last K of it.
+// are one slice, ending at hi = the number of the row's sorted keys <= key(c, i) (found through a
+// table of every S-th sorted key in shared memory, then one window of S entries); the last K of
+// it, its entries those of [hi - K, hi) with key >= key(c, s).
 struct LshListsParams {
   int64_t B = 0, L = 0, H = 0;
   int64_t K = 0;                        // slots per query
@@ -87,9 +108,10 @@ struct LshListsParams {
   const int32_t* q_bucket = nullptr;    // (B, L, H) query buckets
   const int32_t* start = nullptr;       // (B, L)
   const int32_t* end = nullptr;         // (B, L)
-  bool keys64 = true;                   // sorted_keys are int64 (else int32)
+  uint64_t row_stride = 0;              // the sort keys' row_stride
+  bool keys64 = true;                   // sorted_keys are uint64 (else uint32)
   const void* sorted_keys = nullptr;    // (B, H, L) the key sort keys, ascending per (b, h)
-  const int64_t* sorted_pos = nullptr;  // (B, H, L) the position of each sorted key (the sort's indices)
+  const int32_t* sorted_pos = nullptr;  // (B, H, L) the position of each sorted key
   int32_t* out = nullptr;               // out (B, H, L, K)
 };
 void lsh_lists_cuda(const LshListsParams& p, void* stream);

@@ -5,7 +5,9 @@
 #include "patterns/cuda_paths.h"
 
 #if defined(HAX_CUDA_KERNELS)
+#include <algorithm>
 #include <climits>
+#include <cstdint>
 
 #include "core/error.h"
 #include "ops/backend.h"
@@ -44,7 +46,8 @@ at::Tensor progression_lists_device(ProgressionKind kind, int64_t B, int64_t H, 
 }
 
 at::Tensor lsh_buckets_device(const at::Tensor& x0, const at::Tensor& proj, Binning binning, const at::Tensor& start) {
-  const at::Tensor x = x0.detach().contiguous();
+  // Any strides of (b, position, head) (a view of a wider projection, say): no copy of x unless n is strided.
+  const at::Tensor x = x0.stride(3) == 1 || x0.size(3) == 1 ? x0.detach() : x0.detach().contiguous();
   const at::Device dev = x.device();
   const int64_t B = x.size(0), L = x.size(1), H = x.size(2), N = x.size(3), h = proj.size(1);
   const at::Tensor P = proj.detach().to(dev, at::kDouble).contiguous();
@@ -54,7 +57,8 @@ at::Tensor lsh_buckets_device(const at::Tensor& x0, const at::Tensor& proj, Binn
   if (out.numel() == 0) return out;
   LshBucketsParams p;
   p.B = B, p.L = L, p.H = H, p.N = N, p.h = h, p.argmax = binning == Binning::kArgmax;
-  p.x = x.data_ptr(), p.proj = P.data_ptr<double>(), p.start = start.data_ptr<int32_t>();
+  p.x = x.data_ptr(), p.x_sb = x.stride(0), p.x_sl = x.stride(1), p.x_sh = x.stride(2);
+  p.proj = P.data_ptr<double>(), p.start = start.data_ptr<int32_t>();
   p.values = values.data_ptr<double>(), p.tiles = tiles.data_ptr<double>(), p.out = out.data_ptr<int32_t>();
   lsh_buckets_cuda(p, ops::kernel_dtype(x), stream_of(out));
   return out;
@@ -70,27 +74,51 @@ KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, cons
   const at::Tensor bq = lsh_buckets_device(q, proj, binning, bounds.start);
   const at::Tensor bk = lsh_buckets_device(k.to(dev), proj, binning, bounds.start);
   const int64_t nb = binning == Binning::kSign ? (int64_t)1 << h : h;
-  const bool keys64 = nb * L > INT32_MAX;
-  // Every (b, h) row's sort keys of (sequence, bucket, position), sorted.
+  // Every row's keys are < span = nb·L. One radix sort of all rows when the row fits above them
+  // in 64 bits (r·span + key), over the bits that r·span + key can have; else a sort per row.
+  const uint64_t span = (uint64_t)nb * (uint64_t)L, rows = (uint64_t)(B * H);
+  const bool joint = rows <= UINT64_MAX / span;
+  const uint64_t top = joint ? rows * span - 1 : 0;  // the largest joint key
+  const bool keys64 = !joint || top > UINT32_MAX;
+  int bits = 1;
+  while (bits < 64 && (top >> bits) != 0) ++bits;
+  const auto key_opts = at::TensorOptions().dtype(keys64 ? at::kLong : at::kInt).device(dev);
+  const size_t temp_bytes = joint ? lsh_sort_temp_bytes(B * H * L, keys64, bits) : 0;
+  const at::Tensor temp = joint ? at::empty({(int64_t)std::max<size_t>(temp_bytes, 1)},
+                                            at::TensorOptions().dtype(at::kByte).device(dev))
+                                : at::Tensor();
+  // Every (b, h) row's sort keys of (sequence, bucket, position), sorted, and their positions (int32).
   auto sorted = [&](const at::Tensor& bucket) {
-    at::Tensor key = at::empty({B, H, L}, at::TensorOptions().dtype(keys64 ? at::kLong : at::kInt).device(dev));
+    at::Tensor key = at::empty({B, H, L}, key_opts);
+    at::Tensor pos = joint ? at::empty({B, H, L}, int32_on(dev)) : at::Tensor();
     LshSortKeysParams p;
-    p.B = B, p.L = L, p.H = H, p.num_buckets = nb, p.keys64 = keys64;
+    p.B = B, p.L = L, p.H = H, p.num_buckets = nb, p.keys64 = keys64, p.row_stride = joint ? span : 0;
     p.bucket = bucket.data_ptr<int32_t>(), p.start = bounds.start.data_ptr<int32_t>();
     p.end = bounds.end.data_ptr<int32_t>(), p.keys = key.data_ptr();
+    p.pos = joint ? pos.data_ptr<int32_t>() : nullptr;
     lsh_sort_keys_cuda(p, stream_of(key));
-    auto [values, positions] = at::sort(key, -1);
-    return std::make_pair(values.contiguous(), positions.contiguous());
+    if (!joint) {
+      auto [values, positions] = at::sort(key, -1);
+      return std::make_pair(values.contiguous(), positions.to(at::kInt).contiguous());
+    }
+    at::Tensor key_out = at::empty_like(key), pos_out = at::empty_like(pos);
+    LshSortParams sp;
+    sp.n = B * H * L, sp.bits = bits, sp.keys64 = keys64;
+    sp.keys_in = key.data_ptr(), sp.keys_out = key_out.data_ptr();
+    sp.pos_in = pos.data_ptr<int32_t>(), sp.pos_out = pos_out.data_ptr<int32_t>();
+    sp.temp = temp.data_ptr(), sp.temp_bytes = temp_bytes;
+    lsh_sort_cuda(sp, stream_of(key));
+    return std::make_pair(key_out, pos_out);
   };
   const auto [key_sorted, key_pos] = sorted(bk);
-  const auto query_order = sorted(bq).second;  // queries by (sequence, bucket, position)
+  const at::Tensor query_order = sorted(bq).second;  // queries by (sequence, bucket, position)
   LshListsParams p;
-  p.B = B, p.L = L, p.H = H, p.K = keys, p.num_buckets = nb, p.keys64 = keys64;
+  p.B = B, p.L = L, p.H = H, p.K = keys, p.num_buckets = nb, p.keys64 = keys64, p.row_stride = joint ? span : 0;
   p.q_bucket = bq.data_ptr<int32_t>(), p.start = bounds.start.data_ptr<int32_t>();
   p.end = bounds.end.data_ptr<int32_t>(), p.sorted_keys = key_sorted.data_ptr();
-  p.sorted_pos = key_pos.data_ptr<int64_t>(), p.out = idx.data_ptr<int32_t>();
+  p.sorted_pos = key_pos.data_ptr<int32_t>(), p.out = idx.data_ptr<int32_t>();
   lsh_lists_cuda(p, stream_of(idx));
-  return {idx, query_order.to(at::kInt)};
+  return {idx, query_order};
 }
 
 at::Tensor top_k_prefix_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
@@ -142,7 +170,8 @@ ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::T
   const at::Tensor at_start = at::where(rel.eq(0), n_seq, at::zeros_like(n_seq));
   const at::Tensor cum = at_start.cumsum(1);
   const at::Tensor first = cum - n_seq;
-  const int64_t NC = cum.select(1, L - 1).max().item<int64_t>();
+  // One sequence per row: L / chunk chunks each, known on the host (no wait on the device).
+  const int64_t NC = seq.defined() ? cum.select(1, L - 1).max().item<int64_t>() : L / chunk;
   // start[b, first + m] = the position where chunk m of a sequence begins; the rest goes to column NC.
   const at::Tensor begins = rel.remainder(chunk).eq(0) & m.lt(n_seq);
   const at::Tensor column = at::where(begins, first + m, at::full({}, NC, i64));

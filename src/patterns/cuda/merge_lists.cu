@@ -1,17 +1,22 @@
 // The union of two patterns' lists on the GPU, equal to merge.cpp's: per row (b, h, i) a two-way
 // merge of the ascending lists a and b (each ending at its first -1) that drops repeats, then -1.
 //
-// One thread per row runs the CPU's merge. The rows of a block are staged through shared memory
-// (coalesced loads of the a and b tiles, each thread merging its row into an output tile, a
-// coalesced store), rows padded to an odd stride so that the threads' row accesses fall in
-// distinct banks. Lists too long for a 32-row tile merge straight from global memory.
+// merge_warp_kernel: a warp per row. The rows of a and b are loaded (coalesced) into the warp's
+// shared memory; their lengths na, nb are the first negative entries (ballots). The CPU's merge
+// takes a's entry on ties, so a[t] lands at t + #{b < a[t]} of the merged list and b[u] at
+// u + #{a <= b[u]} (binary searches in shared memory): the merged list (repeats kept) is written
+// to shared memory, and an entry is kept iff it differs from the one before it (the CPU's
+// `v != last`), compacted by ballots into the output row (coalesced), -1 after.
+// merge_small_kernel does the same for Ka, Kb <= 32 with a row's entries one per lane in
+// registers, the next row's loads in flight during the merge. Rows too long for the warps' shared
+// memory merge straight from global memory, thread per row (merge_direct_kernel, the CPU's loop).
 #include "patterns/cuda/list_utils.cuh"
 
 namespace hax::patterns {
 namespace {
 
-constexpr int kMaxRows = 64;               // rows (threads) per block of the staged kernel
-constexpr int64_t kStagedBytes = 48 * 1024;  // its shared memory budget
+constexpr int kMergeWarps = 4;               // warps (rows at once) per merge_warp_kernel block
+constexpr int64_t kMergeBytes = 48 * 1024;  // its shared memory budget
 
 // The CPU's merge of one row: x[0..Ka), y[0..Kb) into dst[0..Ka + Kb).
 __device__ __forceinline__ void merge_row(const int32_t* x, int64_t Ka, const int32_t* y, int64_t Kb, int32_t* dst) {
@@ -34,25 +39,97 @@ __global__ void merge_direct_kernel(MergeListsParams p) {
     merge_row(p.a + r * p.Ka, p.Ka, p.b + r * p.Kb, p.Kb, p.out + r * K);
 }
 
-__host__ __device__ inline int odd_stride(int64_t n) { return (int)(n % 2 ? n : n + 1); }
+// The first index t < n of row x with x[t] < 0 (n if none), by the warp.
+__device__ __forceinline__ int list_length(const int32_t* x, int n, int lane) {
+  for (int t0 = 0; t0 < n; t0 += 32) {
+    const unsigned neg = __ballot_sync(dev::kFullMask, t0 + lane < n && x[t0 + lane] < 0);
+    if (neg) return t0 + __ffs(neg) - 1;
+  }
+  return n;
+}
 
-__global__ void merge_staged_kernel(MergeListsParams p) {
+// Entries of ascending x[0..n) less than v (strict) or, with `or_equal`, <= v.
+__device__ __forceinline__ int count_below(const int32_t* x, int n, int32_t v, bool or_equal) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (x[mid] < v || (or_equal && x[mid] == v)) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+__global__ void merge_warp_kernel(MergeListsParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int Ka = (int)p.Ka, Kb = (int)p.Kb, K = Ka + Kb;
-  const int sa = odd_stride(Ka), sb = odd_stride(Kb), so = odd_stride(K);
-  const int R = blockDim.x;  // rows per tile
-  int32_t* ta = (int32_t*)smem;
-  int32_t* tb = ta + R * sa;
-  int32_t* to = tb + R * sb;
-  for (int64_t r0 = (int64_t)blockIdx.x * R; r0 < p.rows; r0 += (int64_t)gridDim.x * R) {
-    const int nr = (int)(p.rows - r0 < R ? p.rows - r0 : R);
-    for (int e = threadIdx.x; e < nr * Ka; e += R) ta[(e / Ka) * sa + e % Ka] = p.a[r0 * Ka + e];
-    for (int e = threadIdx.x; e < nr * Kb; e += R) tb[(e / Kb) * sb + e % Kb] = p.b[r0 * Kb + e];
-    __syncthreads();
-    if ((int)threadIdx.x < nr) merge_row(ta + threadIdx.x * sa, Ka, tb + threadIdx.x * sb, Kb, to + threadIdx.x * so);
-    __syncthreads();
-    for (int e = threadIdx.x; e < nr * K; e += R) p.out[r0 * K + e] = to[(e / K) * so + e % K];
-    __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t* ta = (int32_t*)smem + (int64_t)warp * 2 * K;  // (Ka) a's row, (Kb) b's row, (K) the merged list
+  int32_t* tb = ta + Ka;
+  int32_t* tm = tb + Kb;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  for (int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + warp; r < p.rows; r += warps) {
+    const int32_t* a = p.a + r * Ka;
+    const int32_t* b = p.b + r * Kb;
+    for (int t = lane; t < Ka; t += 32) ta[t] = a[t];
+    for (int t = lane; t < Kb; t += 32) tb[t] = b[t];
+    __syncwarp();
+    const int na = list_length(ta, Ka, lane), nb = list_length(tb, Kb, lane), n = na + nb;
+    for (int t = lane; t < na; t += 32) tm[t + count_below(tb, nb, ta[t], false)] = ta[t];
+    for (int t = lane; t < nb; t += 32) tm[t + count_below(ta, na, tb[t], true)] = tb[t];
+    __syncwarp();
+    int32_t* dst = p.out + r * K;
+    int filled = 0;
+    for (int t0 = 0; t0 < n; t0 += 32) {
+      const int t = t0 + lane;
+      const int32_t v = t < n ? tm[t] : -1;
+      const bool keep = t < n && (t == 0 || tm[t - 1] != v);
+      const unsigned m = __ballot_sync(dev::kFullMask, keep);
+      if (keep) dst[filled + __popc(m & ((1u << lane) - 1))] = v;
+      filled += __popc(m);
+    }
+    for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
+    __syncwarp();  // the warp's shared rows are read before the next row's loads
+  }
+}
+
+// merge_warp_kernel for Ka, Kb <= 32: lane t holds a[t] and b[t] in registers, and the next
+// row's entries load while this row merges (the lengths by ballots on the registers).
+__global__ void merge_small_kernel(MergeListsParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int Ka = (int)p.Ka, Kb = (int)p.Kb, K = Ka + Kb;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t* ta = (int32_t*)smem + (int64_t)warp * 2 * K;  // (Ka) a's row, (Kb) b's row, (K) the merged list
+  int32_t* tb = ta + Ka;
+  int32_t* tm = tb + Kb;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + warp;
+  int32_t xa = r < p.rows && lane < Ka ? p.a[r * Ka + lane] : -1;
+  int32_t xb = r < p.rows && lane < Kb ? p.b[r * Kb + lane] : -1;
+  for (; r < p.rows; r += warps) {
+    const int32_t ca = xa, cb = xb;
+    const int64_t rn = r + warps;  // the next row's entries, in flight during this one
+    xa = rn < p.rows && lane < Ka ? p.a[rn * Ka + lane] : -1;
+    xb = rn < p.rows && lane < Kb ? p.b[rn * Kb + lane] : -1;
+    const unsigned neg_a = __ballot_sync(dev::kFullMask, ca < 0), neg_b = __ballot_sync(dev::kFullMask, cb < 0);
+    const int na = neg_a ? __ffs(neg_a) - 1 : 32, nb = neg_b ? __ffs(neg_b) - 1 : 32, n = na + nb;
+    if (lane < Ka) ta[lane] = ca;
+    if (lane < Kb) tb[lane] = cb;
+    __syncwarp();
+    if (lane < na) tm[lane + count_below(tb, nb, ca, false)] = ca;
+    if (lane < nb) tm[lane + count_below(ta, na, cb, true)] = cb;
+    __syncwarp();
+    int32_t* dst = p.out + r * K;
+    int filled = 0;
+    for (int t0 = 0; t0 < n; t0 += 32) {
+      const int t = t0 + lane;
+      const int32_t v = t < n ? tm[t] : -1;
+      const bool keep = t < n && (t == 0 || tm[t - 1] != v);
+      const unsigned m = __ballot_sync(dev::kFullMask, keep);
+      if (keep) dst[filled + __popc(m & ((1u << lane) - 1))] = v;
+      filled += __popc(m);
+    }
+    for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
+    __syncwarp();  // the warp's shared rows are read before the next row's stores
   }
 }
 
@@ -62,11 +139,11 @@ void merge_lists_cuda(const MergeListsParams& p, void* stream) {
   const int64_t K = p.Ka + p.Kb;
   if (p.rows == 0 || K == 0) return;
   cudaStream_t st = (cudaStream_t)stream;
-  const int64_t row_bytes = 4 * ((int64_t)odd_stride(p.Ka) + odd_stride(p.Kb) + odd_stride(K));
-  int rows = kMaxRows;
-  while (rows > 32 && rows * row_bytes > kStagedBytes) rows /= 2;
-  if (p.Ka >= 1 && p.Kb >= 1 && rows * row_bytes <= kStagedBytes) {
-    merge_staged_kernel<<<dev::grid_for(p.rows, rows), rows, rows * row_bytes, st>>>(p);
+  const int64_t warp_bytes = 2 * K * 4;
+  if (p.Ka <= 32 && p.Kb <= 32) {
+    merge_small_kernel<<<dev::grid_for(p.rows, 4 * kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);
+  } else if (kMergeWarps * warp_bytes <= kMergeBytes) {
+    merge_warp_kernel<<<dev::grid_for(p.rows, kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);
   } else {
     merge_direct_kernel<<<dev::grid_for(p.rows, 128), 128, 0, st>>>(p);
   }

@@ -207,6 +207,92 @@ __global__ void block_prefix_kernel(TopKPrefixParams p, int64_t smem_per_warp) {
   }
 }
 
+// The scans for k <= 32: a list is one register per lane (lane t: entry t, 0 from k on).
+// merge_top32: the top k of lists a and b (disjoint positions): a and the reversed b give a bitonic
+// sequence whose lane-wise maxima are the top 32 of the union, sorted descending by a bitonic
+// merge (five exchange steps); the entries from k on are cleared.
+__device__ __forceinline__ uint64_t merge_top32(uint64_t a, uint64_t b, int k, int lane) {
+  uint64_t v = __shfl_sync(dev::kFullMask, b, 31 - lane);
+  v = a > v ? a : v;
+  for (int j = 16; j > 0; j >>= 1) {
+    const uint64_t o = __shfl_xor_sync(dev::kFullMask, v, j);
+    v = (lane & j) == 0 ? (v > o ? v : o) : (v < o ? v : o);
+  }
+  return lane < k ? v : 0;
+}
+__device__ __forceinline__ uint64_t load_list32(const uint64_t* list, int k, int lane) {
+  return lane < k ? list[lane] : 0;
+}
+__device__ __forceinline__ void store_list32(uint64_t* list, uint64_t v, int k, int lane) {
+  if (lane < k) list[lane] = v;
+}
+
+// As super_fold_kernel, a warp per (b, h, super block); the next list loads during a merge.
+__global__ void super_fold_small_kernel(TopKPrefixParams p) {
+  const int lane = threadIdx.x % 32, k = (int)p.k;
+  const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < p.B * p.H * nsup; w += warps) {
+    const int64_t sb = w % nsup, bh = w / nsup, b = bh / p.H;
+    const int64_t b0 = sb * kTopKSuper, b1 = b0 + kTopKSuper < nblk ? b0 + kTopKSuper : nblk;
+    const uint64_t* tops = p.block_top + bh * nblk * p.k;
+    uint64_t acc = load_list32(tops + b0 * p.k, k, lane);
+    uint64_t next = b0 + 1 < b1 ? load_list32(tops + (b0 + 1) * p.k, k, lane) : 0;
+    bool next_resets = b0 + 1 < b1 && block_resets(p, b, b0 + 1);
+    for (int64_t blk = b0 + 1; blk < b1; ++blk) {
+      const uint64_t in = next;
+      const bool resets = next_resets;
+      if (blk + 1 < b1) next = load_list32(tops + (blk + 1) * p.k, k, lane), next_resets = block_resets(p, b, blk + 1);
+      acc = resets ? in : merge_top32(acc, in, k, lane);
+    }
+    store_list32(p.super_top + w * p.k, acc, k, lane);
+  }
+}
+
+// As super_prefix_kernel, a warp per (b, h).
+__global__ void super_prefix_small_kernel(TopKPrefixParams p) {
+  const int lane = threadIdx.x % 32, k = (int)p.k;
+  const int64_t nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  for (int64_t bh = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; bh < p.B * p.H; bh += warps) {
+    const int64_t b = bh / p.H;
+    uint64_t* prefix = p.super_prefix + bh * nsup * p.k;
+    const uint64_t* tops = p.super_top + bh * nsup * p.k;
+    uint64_t acc = 0;  // nothing before the row
+    store_list32(prefix, acc, k, lane);
+    uint64_t next = nsup > 1 ? load_list32(tops, k, lane) : 0;
+    bool next_resets = nsup > 1 && super_resets(p, b, 0);
+    for (int64_t sb = 1; sb < nsup; ++sb) {
+      const uint64_t in = next;
+      const bool resets = next_resets;
+      if (sb + 1 < nsup) next = load_list32(tops + sb * p.k, k, lane), next_resets = super_resets(p, b, sb);
+      acc = resets ? in : merge_top32(acc, in, k, lane);
+      store_list32(prefix + sb * p.k, acc, k, lane);
+    }
+  }
+}
+
+// As block_prefix_kernel, a warp per (b, h, super block).
+__global__ void block_prefix_small_kernel(TopKPrefixParams p) {
+  const int lane = threadIdx.x % 32, k = (int)p.k;
+  const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
+  for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < p.B * p.H * nsup; w += warps) {
+    const int64_t sb = w % nsup, bh = w / nsup, b = bh / p.H;
+    const int64_t b0 = sb * kTopKSuper, b1 = b0 + kTopKSuper < nblk ? b0 + kTopKSuper : nblk;
+    const uint64_t* tops = p.block_top + bh * nblk * p.k;
+    uint64_t* prefix = p.block_prefix + bh * nblk * p.k;
+    uint64_t acc = load_list32(p.super_prefix + w * p.k, k, lane);
+    store_list32(prefix + b0 * p.k, acc, k, lane);
+    uint64_t next = b0 + 1 < b1 ? load_list32(tops + b0 * p.k, k, lane) : 0;
+    bool next_resets = b0 + 1 < b1 && block_resets(p, b, b0);
+    for (int64_t blk = b0 + 1; blk < b1; ++blk) {
+      const uint64_t in = next;
+      const bool resets = next_resets;
+      if (blk + 1 < b1) next = load_list32(tops + blk * p.k, k, lane), next_resets = block_resets(p, b, blk);
+      acc = resets ? in : merge_top32(acc, in, k, lane);
+      store_list32(prefix + blk * p.k, acc, k, lane);
+    }
+  }
+}
+
 // Ascending bitonic sort of a[0..n), n a power of two, by one warp.
 __device__ void warp_bitonic_sort(int32_t* a, int64_t n, int lane) {
   for (int64_t size = 2; size <= n; size <<= 1)
@@ -305,6 +391,93 @@ __global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_
   }
 }
 
+// query_kernel for k <= 32 (kQueryWarps warps per block): the selection lives in registers. Lane t
+// holds the t-th best selected key and its U index (key 0: none), kept sorted as query i inserts
+// its key (a ballot counts the better ones, the worse shift up a lane, the k-th falls out); each
+// lane holds the U entries lane, lane + 32, lane + 64 (position, key, selected flag). The lists are
+// the same as the general kernel's: the selection after query i is the top k of its eligible keys.
+constexpr int kQueryWarps = 4;
+constexpr int kSmallChunks = 3;  // U chunks of 32: k + 64 <= 96 entries
+template <class T>
+__global__ void query_small_kernel(TopKPrefixParams p) {
+  __shared__ int32_t upos_s[kQueryWarps][kSmallChunks * 32];
+  const int lane = threadIdx.x % 32, K = (int)p.k;
+  const unsigned lanes_below = (1u << lane) - 1;
+  int32_t* upos = upos_s[threadIdx.x / 32];
+  const int64_t nblk = top_k_blocks(p.L), warps = (int64_t)gridDim.x * kQueryWarps;
+  for (int64_t w = (int64_t)blockIdx.x * kQueryWarps + threadIdx.x / 32; w < p.B * p.H * nblk; w += warps) {
+    const int64_t blk = w % nblk, bh = w / nblk, b = bh / p.H, h = bh % p.H;
+    const int32_t* start = p.start + b * p.L;
+    int64_t t0, t1;
+    block_range(p, blk, t0, t1);
+    const int n_own = (int)(t1 - t0);
+    // The sorted selection starts as the prefix list (descending keys, 0 padded) when the block's
+    // first query continues a sequence; its U index is the rank of its position among the prefix's.
+    uint64_t skey = 0;
+    int su = 0, nP = 0;
+    if (start[t0] < t0) {
+      skey = lane < K ? p.block_prefix[w * p.k + lane] : 0;
+      nP = __popc(__ballot_sync(dev::kFullMask, skey != 0));
+      const int32_t pp = skey ? key_pos(skey) : INT_MAX;
+      for (int src = 0; src < 32; ++src) su += __shfl_sync(dev::kFullMask, pp, src) < pp;
+      if (skey) upos[su] = pp;
+    }
+    for (int t = lane; t < n_own; t += 32) upos[nP + t] = (int32_t)(t0 + t);
+    __syncwarp();
+    const int nU = nP + n_own;
+    int32_t pos_c[kSmallChunks];
+    uint64_t key_c[kSmallChunks];
+    bool sel_c[kSmallChunks];
+#pragma unroll
+    for (int c = 0; c < kSmallChunks; ++c) {
+      const int u = lane + 32 * c;
+      pos_c[c] = u < nU ? upos[u] : 0;
+      key_c[c] = u < nU ? key_at<T>(p, b, h, pos_c[c]) : 0;
+      sel_c[c] = u < nP;
+    }
+    const int32_t s_lo = lane < n_own ? start[t0 + lane] : 0, s_hi = lane + 32 < n_own ? start[t0 + lane + 32] : 0;
+    __syncwarp();  // upos is read before the next block's writes
+    auto set_sel = [&](int u, bool v) {
+#pragma unroll
+      for (int c = 0; c < kSmallChunks; ++c)
+        if (u == lane + 32 * c) sel_c[c] = v;
+    };
+    for (int q = 0; q < n_own; ++q) {
+      const int64_t i = t0 + q;
+      const int ui = nP + q;  // i's index in U
+      const int32_t si = __shfl_sync(dev::kFullMask, q < 32 ? s_lo : s_hi, q % 32);
+      if (si == i) {  // a sequence starts: nothing before i is eligible
+        skey = 0;
+#pragma unroll
+        for (int c = 0; c < kSmallChunks; ++c) sel_c[c] = false;
+      }
+      const int cu = ui / 32;
+      const uint64_t x = __shfl_sync(dev::kFullMask, cu == 0 ? key_c[0] : cu == 1 ? key_c[1] : key_c[2], ui % 32);
+      const int rank = __popc(__ballot_sync(dev::kFullMask, lane < K && skey > x));
+      if (rank < K) {  // i enters at rank; the k-th selected (if any) drops out
+        const uint64_t last_key = __shfl_sync(dev::kFullMask, skey, K - 1);
+        const int last_u = __shfl_sync(dev::kFullMask, su, K - 1);
+        const uint64_t up_key = __shfl_up_sync(dev::kFullMask, skey, 1);
+        const int up_u = __shfl_up_sync(dev::kFullMask, su, 1);
+        if (lane > rank && lane < K) skey = up_key, su = up_u;
+        if (lane == rank) skey = x, su = ui;
+        set_sel(ui, true);
+        if (last_key != 0) set_sel(last_u, false);
+      }
+      // The list: the selected candidates in U order, compacted by ballots.
+      int32_t* dst = p.out + (bh * p.L + i) * p.k;
+      int filled = 0;
+#pragma unroll
+      for (int c = 0; c < kSmallChunks; ++c) {
+        const unsigned m = __ballot_sync(dev::kFullMask, sel_c[c]);
+        if (sel_c[c]) dst[filled + __popc(m & lanes_below)] = pos_c[c];
+        filled += __popc(m);
+      }
+      for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
+    }
+  }
+}
+
 // Shared memory per warp (bytes, a multiple of 16) of the scan kernels and of query_kernel.
 int64_t scan_smem_per_warp(int64_t k) { return (3 * k * 8 + 15) / 16 * 16; }
 int64_t sort_len_for(int64_t k) {
@@ -337,6 +510,18 @@ void launch(const TopKPrefixParams& p, cudaStream_t st) {
   block_top_kernel<T><<<dev::grid_for(BH * nblk * 32, dev::kThreads), dev::kThreads, 0, st>>>(p);
   ops::cuda::check_launch("top_k_prefix (block top)");
 
+  if (p.k <= 32) {  // lists in registers
+    const unsigned t = 4 * 32;
+    super_fold_small_kernel<<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
+    ops::cuda::check_launch("top_k_prefix (super fold)");
+    super_prefix_small_kernel<<<dev::grid_for(BH, 1), 32, 0, st>>>(p);
+    ops::cuda::check_launch("top_k_prefix (super prefix)");
+    block_prefix_small_kernel<<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
+    ops::cuda::check_launch("top_k_prefix (block prefix)");
+    query_small_kernel<T><<<dev::grid_for(BH * nblk, kQueryWarps), kQueryWarps * 32, 0, st>>>(p);
+    ops::cuda::check_launch("top_k_prefix (queries)");
+    return;
+  }
   const int64_t scan_smem = scan_smem_per_warp(p.k);
   int warps = warps_for(super_fold_kernel, scan_smem);
   super_fold_kernel<<<dev::grid_for(BH * nsup, warps), warps * 32, warps * scan_smem, st>>>(p, scan_smem);
