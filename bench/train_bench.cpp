@@ -9,6 +9,7 @@
 #include "core/device.h"
 #include "eval/table1.h"
 #include "models/lm.h"
+#include "ops/check.h"
 #include "tasks/batch.h"
 #include "tasks/registry.h"
 #include "tasks/splits.h"
@@ -29,11 +30,16 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
   report["device"] = gpu ? cuda_device_name() : std::string("cpu");
   report["threads"] = at::get_num_threads();
   report["config"] = {{"batch", cfg.batch}, {"length", len}, {"steps", cfg.steps}, {"warmup", cfg.warmup},
-                      {"sparse_keys", cfg.sparse_keys}, {"chunk_size", cfg.chunk_size}, {"precision", cfg.precision}};
+                      {"sparse_keys", cfg.sparse_keys}, {"chunk_size", cfg.chunk_size}, {"precision", cfg.precision},
+                      {"host_sync", cfg.host_sync}, {"fused_optimizer", gpu && !cfg.host_sync && fused_optimizer_built()}};
   fmt::print("hax bench train: {}, joint recall, batch {} x {} tokens (packed rows), {}; {} timed steps after {} "
-             "warm-up steps (data prepared beforehand)\n",
+             "warm-up steps (data prepared beforehand); {}\n",
              gpu ? cuda_device_name() : fmt::format("CPU, {} threads", at::get_num_threads()), cfg.batch, len,
-             cfg.precision, cfg.steps, cfg.warmup);
+             cfg.precision, cfg.steps, cfg.warmup,
+             cfg.host_sync ? "host reads the metrics every step, per-tensor optimizer"
+                           : "metrics read at the end, fused optimizer on CUDA");
+  const bool checks_were = ops::check_device_values();
+  ops::set_check_device_values(cfg.host_sync || checks_were);
   fmt::print("{:<14} {:>10} {:>10} {:>12} {:>10}\n", "variant", "params", "ms/step", "steps/s", "peak MB");
   // Batches are prepared once (the trainer builds them on the CPU, overlapping nothing).
   const EvalFingerprints none = eval_fingerprints(*task, 1, 0, 0, 0, 0);
@@ -52,7 +58,10 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
     auto params = model.state_tensors();
     int64_t nparams = 0;
     for (auto& [n, p] : params) nparams += p.numel();
-    AdamW opt(params, {});
+    AdamWOptions ao;
+    ao.fused = !cfg.host_sync;
+    AdamW opt(params, ao);
+    std::vector<at::Tensor> metrics;  // per step (4) float64 on the device, read after the timing
     auto step = [&](int64_t s) {
       ForwardContext ctx;
       ctx.training = true;
@@ -60,13 +69,28 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
       LossResult r;
       {
         AutocastScope ac(cfg.precision, dev);
-        r = masked_lm_loss(model, batches[s], ctx);
+        if (cfg.host_sync) {  // as before: supervised positions found on the device
+          Batch b = batches[s];
+          b.supervised = at::Tensor(), b.supervised_samples = -1;
+          r = masked_lm_loss(model, b, ctx);
+        } else {
+          r = masked_lm_loss(model, batches[s], ctx, /*read_accuracy=*/false);
+        }
       }
       opt.zero_grad();
       (r.ranking.defined() ? r.loss + 0.1 * r.ranking : r.loss).backward();
-      clip_grad_norm(params, 1.0);
-      opt.step(1e-3);
-      (void)r.loss.item<double>();  // the trainer reads the loss every step
+      if (cfg.host_sync) {
+        clip_grad_norm(params, 1.0);
+        opt.step(1e-3);
+        (void)r.loss.item<double>();  // as the trainer did: the loss read every step
+        return;
+      }
+      // The trainer's step: the metrics stay on the device, a non-finite step is skipped there.
+      const at::Tensor gnorm = clip_grad_norm_async(params, 1.0);
+      const at::Tensor loss = r.loss.detach().to(at::kDouble);
+      const at::Tensor ranking = r.ranking.defined() ? r.ranking.detach().to(at::kDouble) : at::zeros_like(loss);
+      metrics.push_back(at::stack({loss, ranking, gnorm, r.correct}));
+      opt.step(1e-3, at::isfinite(loss + gnorm).logical_not());
     };
     for (int64_t s = 0; s < cfg.warmup; ++s) step(s);
     if (gpu) {
@@ -75,6 +99,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (int64_t s = cfg.warmup; s < cfg.warmup + cfg.steps; ++s) step(s);
+    if (!metrics.empty()) (void)at::stack(metrics).cpu();  // the trainer reads them at log intervals
     if (gpu) cuda_synchronize();
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double ms = 1e3 * sec / cfg.steps;
@@ -85,6 +110,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
     report["results"].push_back({{"variant", variant}, {"params", nparams}, {"ms_per_step", ms},
                                  {"steps_per_s", 1e3 / ms}, {"peak_bytes", peak}});
   }
+  ops::set_check_device_values(checks_were);
   return report;
 }
 

@@ -18,6 +18,10 @@ struct TrainBenchConfig {
   int64_t sparse_keys = 64;     // k (paper: 64)
   int64_t chunk_size = 64;      // Mamba-2 SSD chunk
   std::string precision = "fp32";  // fp32 or bf16 (autocast)
+  // The step as it was before the host-side work (for comparison): the loss, accuracy and
+  // gradient norm read back every step, per-tensor AdamW and clipping, device-value argument
+  // checks on. Off: the trainer's step (metrics stay on the device, fused optimizer on CUDA).
+  bool host_sync = false;
 };
 
 nlohmann::json run_train_bench(const TrainBenchConfig& cfg);

@@ -48,6 +48,30 @@ TEST(AdamW, ClipGradNormScalesToTheBound) {
   EXPECT_NEAR(clip_grad_norm({{"a", a}, {"b", b}}, 0.0), after, 1e-12);  // 0 disables
 }
 
+TEST(AdamW, AsyncClipAndSkipMatchTheReferenceOnTheCpu) {
+  torch::manual_seed(3);
+  at::Tensor a = at::randn({5, 4}), b = at::randn({7}), a2 = a.clone(), b2 = b.clone();
+  const at::Tensor ga = at::randn({5, 4}) * 3, gb = at::randn({7}) * 3;
+  a.mutable_grad() = ga.clone(), b.mutable_grad() = gb.clone();
+  a2.mutable_grad() = ga.clone(), b2.mutable_grad() = gb.clone();
+  // The tensor version is the reference bit for bit on the CPU (norm and clipped gradients).
+  const double n1 = clip_grad_norm({{"a", a}, {"b", b}}, 1.0);
+  const at::Tensor n2 = clip_grad_norm_async({{"a", a2}, {"b", b2}}, 1.0);
+  EXPECT_EQ(n2.scalar_type(), at::kDouble);
+  EXPECT_EQ(n2.item<double>(), n1);
+  EXPECT_TRUE(at::equal(a.grad(), a2.grad()) && at::equal(b.grad(), b2.grad()));
+  // A non-zero skip leaves parameters and moments untouched; zero applies the update.
+  AdamW opt({{"a", a}, {"b", b}}, {});
+  const at::Tensor before = a.clone();
+  opt.step(0.1, at::ones({}, at::kBool));
+  EXPECT_TRUE(at::equal(a, before));
+  EXPECT_EQ(opt.steps_taken(), 0);
+  opt.step(0.1, at::zeros({}, at::kBool));
+  EXPECT_FALSE(at::equal(a, before));
+  EXPECT_EQ(opt.steps_taken(), 1);
+  EXPECT_FALSE(opt.fused());  // the fused kernel is for CUDA parameters only
+}
+
 TEST(Schedule, WarmupThenConstantOrCosine) {
   EXPECT_DOUBLE_EQ(learning_rate(0, 100, 1.0, 0.1, 10, "constant"), 0.1);
   EXPECT_DOUBLE_EQ(learning_rate(9, 100, 1.0, 0.1, 10, "constant"), 1.0);

@@ -86,6 +86,9 @@ Command add_bench_command(CLI::App& app) {
   tr->add_option("--steps", tr_st->cfg.steps, "timed steps");
   tr->add_option("--warmup", tr_st->cfg.warmup, "untimed steps first");
   tr->add_option("--sparse-keys", tr_st->cfg.sparse_keys, "k of the sparse variants");
+  tr->add_flag("--host-sync", tr_st->cfg.host_sync,
+               "time the step as before: metrics read back every step, per-tensor AdamW and clipping, "
+               "device-value argument checks (for comparison)");
   tr->add_option("--json", tr_st->json, "JSON output file");
   add_threads_option(tr, &tr_st->threads);
   c.run = [st, at_st, attn, tr, tr_st, heads_opt]() {

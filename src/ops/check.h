@@ -19,8 +19,16 @@ void check_same(const char* op, const char* name, const at::Tensor& t, const at:
 // bfloat16 on a CUDA device.
 void check_floating(const char* op, const char* name, const at::Tensor& t);
 // Converts an optional seq_idx (B, L) to contiguous int32 (on its own device) and checks that each
-// row is non-decreasing.
+// row is non-decreasing. The row check reads tensor values: always on the CPU, on a CUDA device
+// only while check_device_values() is on (it would stall the host on every call).
 at::Tensor check_seq_idx(const char* op, const at::Tensor& seq_idx, int64_t B, int64_t L);
+
+// Checks of argument *values* that live on a CUDA device (non-decreasing seq_idx, index ranges)
+// copy them to the host and so synchronize with the GPU. They run only while this is on: off by
+// default (training steps never wait on the host), on with set_check_device_values(true) or the
+// environment variable HAX_CHECK_DEVICE_VALUES=1 (a debugging run). Checks of CPU tensors always run.
+void set_check_device_values(bool on);
+bool check_device_values();
 
 std::string shape_str(at::IntArrayRef s);
 

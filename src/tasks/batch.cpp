@@ -35,6 +35,8 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
   float* lm = b.loss_mask.data_ptr<float>();
   int32_t* sid = b.sample_id.data_ptr<int32_t>();
   int32_t* seg = packed ? b.seq_idx.data_ptr<int32_t>() : nullptr;
+  std::vector<int64_t> supervised;          // flat indices of loss_mask 1, ascending
+  std::vector<char> has(samples.size(), 0);  // sample i has a supervised position
   for (int64_t r = 0; r < B; ++r) {
     int64_t t = r * T;
     int32_t segment = 0;
@@ -48,6 +50,7 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
         in[t] = s.tokens[p];
         tg[t] = s.tokens[p + 1];
         lm[t] = s.mask[p + 1] ? 1.f : 0.f;
+        if (s.mask[p + 1]) supervised.push_back(t), has[i] = 1;
         sid[t] = i;
         if (seg) seg[t] = segment;
       }
@@ -56,6 +59,9 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
     if (seg) std::fill(seg + t, seg + (r + 1) * T, segment);
     b.num_tokens += t - r * T;
   }
+  // Rows are filled in order and positions within a row ascend, so `supervised` ascends.
+  b.supervised = at::tensor(supervised, at::kLong);
+  b.supervised_samples = std::count(has.begin(), has.end(), (char)1);
   return b;
 }
 
@@ -64,8 +70,9 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
 Batch Batch::to(const at::Device& device) const {
   if (inputs.device() == device) return *this;
   Batch b = *this;
-  for (at::Tensor* t : {&b.inputs, &b.targets, &b.loss_mask, &b.seq_idx, &b.sample_id})
-    if (t->defined()) *t = t->to(device, /*non_blocking=*/true);
+  const bool pin = device.is_cuda() && inputs.device().is_cpu();
+  for (at::Tensor* t : {&b.inputs, &b.targets, &b.loss_mask, &b.seq_idx, &b.sample_id, &b.supervised})
+    if (t->defined()) *t = (pin ? t->pin_memory() : *t).to(device, /*non_blocking=*/true);
   return b;
 }
 

@@ -22,8 +22,14 @@ struct Batch {
   at::Tensor sample_id;  // (B, T) int32 index of the input sample of each position, -1 at padding
   int64_t num_samples = 0;  // number of input samples
   int64_t num_tokens = 0;   // non-padding input positions
+  // Host-known facts about the supervision, filled by make_batch on the CPU so that a step on a
+  // GPU needs no read-back of loss_mask (which would stall the host):
+  at::Tensor supervised;    // (M) int64 flat indices into (B*T) of the positions with loss_mask 1,
+                            // ascending (= loss_mask.reshape(-1).nonzero()); undefined if unknown
+  int64_t supervised_samples = -1;  // samples with at least one supervised position; -1 if unknown
 
-  // The same batch with its tensors on `device` (itself when they are there already).
+  // The same batch with its tensors on `device` (itself when they are there already). Copies to a
+  // CUDA device go through pinned memory without waiting (stream-ordered with later work).
   Batch to(const at::Device& device) const;
 };
 

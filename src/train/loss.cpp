@@ -2,17 +2,20 @@
 
 namespace hax {
 
-LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardContext& ctx) {
+LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardContext& ctx, bool read_accuracy) {
   const Batch batch = batch0.to(model.device());
   ctx.valid = batch.sample_id >= 0;
   ctx.ranking_losses.clear();
   at::Tensor h = model.hidden(batch.inputs, batch.seq_idx, nullptr, &ctx);  // (B, T, d)
-  at::Tensor sel = batch.loss_mask.reshape({-1}).nonzero().squeeze(1);
+  // Supervised positions: known on the host for batches from make_batch (no device read-back).
+  const at::Tensor sel =
+      batch.supervised.defined() ? batch.supervised : batch.loss_mask.reshape({-1}).nonzero().squeeze(1);
   LossResult r;
   for (auto& l : ctx.ranking_losses) r.ranking = r.ranking.defined() ? r.ranking + l : l;
   r.positions = sel.numel();
   if (r.positions == 0) {
     r.loss = (h.sum() * 0.0);
+    r.correct = at::zeros({}, h.options().dtype(at::kDouble));
     return r;
   }
   at::Tensor hs = h.reshape({-1, h.size(-1)}).index_select(0, sel);  // (M, d)
@@ -27,10 +30,16 @@ LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardCont
   at::Tensor hits = at::zeros({n}, f64).index_add_(0, sid, correct);
   at::Tensor count = at::zeros({n}, f64).index_add_(0, sid, at::ones_like(correct));
   at::Tensor has = count > 0;
-  // One transfer for both numbers (a GPU run synchronizes once).
-  at::Tensor both = at::stack({has.sum().to(at::kDouble), (hits / count.clamp_min(1)).masked_fill(~has, 0).sum()}).cpu();
-  r.samples = (int64_t)both[0].item<double>();
-  r.correct_sum = both[1].item<double>();
+  r.correct = (hits / count.clamp_min(1)).masked_fill(~has, 0).sum();
+  if (batch.supervised_samples >= 0) {
+    r.samples = batch.supervised_samples;
+    if (read_accuracy) r.correct_sum = r.correct.item<double>();
+  } else {
+    // One transfer for both numbers (a GPU run synchronizes once); samples is needed on the host.
+    at::Tensor both = at::stack({has.sum().to(at::kDouble), r.correct}).cpu();
+    r.samples = (int64_t)both[0].item<double>();
+    r.correct_sum = both[1].item<double>();
+  }
   return r;
 }
 

@@ -10,14 +10,19 @@ namespace hax {
 
 struct LossResult {
   at::Tensor loss;           // scalar: mean cross-entropy over the batch's supervised positions
-  double correct_sum = 0;    // Σ over samples of that sample's accuracy (mean over its positions)
+  at::Tensor correct;        // scalar float64 on the model's device: Σ over samples of that sample's
+                             // accuracy (mean over its positions); read it when the numbers are needed
+  double correct_sum = 0;    // `correct` read back (only when masked_lm_loss was asked to read it)
   int64_t samples = 0;       // samples with at least one supervised position
   int64_t positions = 0;     // supervised positions
   at::Tensor ranking;        // scalar: Σ over layers of the Key Selection ranking losses (training), or undefined
 };
 
 // Runs the model on the batch (logits only at supervised positions) and scores it. ctx gives
-// the training flag and seed; its valid mask is set from the batch.
-LossResult masked_lm_loss(LanguageModel& model, const Batch& batch, ForwardContext& ctx);
+// the training flag and seed; its valid mask is set from the batch. With read_accuracy the
+// accuracy is read back into correct_sum (a GPU run waits for the step then); without it, nothing
+// waits on the device when the batch came from make_batch (its supervised positions are known on
+// the host), so a training loop can queue further work and read the metrics later.
+LossResult masked_lm_loss(LanguageModel& model, const Batch& batch, ForwardContext& ctx, bool read_accuracy = true);
 
 }  // namespace hax

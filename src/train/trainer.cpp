@@ -124,6 +124,63 @@ TrainSummary train(const RunConfig& run) {
   summary.run_dir = tc.run_dir;
   double last_loss = 0, last_acc = 0, tps = 0;
 
+  // A step's metrics stay on the device until they are needed (a log line, a checkpoint, an
+  // evaluation, the end): reading them every step would make the host wait for the GPU each step.
+  // On the CPU they are read at once (nothing to overlap), which also stops a non-finite step
+  // before its update, as always. flush() reads every pending step in one transfer and handles
+  // each in order exactly as if it had been read at its own step.
+  struct Pending {
+    int64_t step = 0;         // 1-based step count after this step
+    double lr = 0;
+    int64_t tokens = 0, samples = 0;
+    at::Tensor values;        // (4) float64: loss, ranking loss, gradient norm, Σ per-sample accuracy
+  };
+  std::vector<Pending> pending;
+  const bool defer = device.is_cuda();
+  auto flush = [&] {
+    if (pending.empty()) return;
+    std::vector<at::Tensor> vs;
+    for (auto& p : pending) vs.push_back(p.values);
+    const at::Tensor host = at::stack(vs).to(at::kCPU).contiguous();  // (n, 4): the one wait on the device
+    const double* v = host.data_ptr<double>();
+    std::vector<Pending> todo;
+    todo.swap(pending);
+    for (size_t i = 0; i < todo.size(); ++i) {
+      const Pending& p = todo[i];
+      const double loss = v[4 * i], ranking = v[4 * i + 1], correct_sum = v[4 * i + 3];
+      const double gnorm = std::isfinite(loss) ? v[4 * i + 2] : 0.0;  // not computed for a non-finite loss
+      if (!std::isfinite(loss) || !std::isfinite(gnorm)) {
+        bar.finish();
+        metrics.write({{"event", "error"}, {"step", p.step}, {"loss", std::isfinite(loss) ? loss : -1.0},
+                       {"message", "non-finite loss or gradient"}});
+        std::string kept = last_saved_step >= 0
+                               ? fmt::format("the last good checkpoint {} (step {}) is kept", last_path, last_saved_step)
+                               : "no checkpoint had been written yet";
+        throw NonFiniteLoss(fmt::format("step {}: the {} is {}; training stopped and {}. Try a lower --lr or --grad-clip.",
+                                        p.step, std::isfinite(loss) ? "gradient norm" : "loss",
+                                        std::isfinite(loss) ? gnorm : loss, kept));
+      }
+      last_loss = loss;
+      last_acc = p.samples ? correct_sum / p.samples : 0;
+      window.loss += loss, window.acc += last_acc, window.grad_norm += gnorm, window.ranking += ranking;
+      window.steps += 1;
+      window.tokens += p.tokens;
+      if (p.step % tc.log_every == 0 || p.step == tc.steps) {
+        const auto now = std::chrono::steady_clock::now();
+        const double dt = std::chrono::duration<double>(now - t_window).count();
+        tps = dt > 0 ? window.tokens / dt : 0;
+        nlohmann::json line = {{"event", "train"}, {"step", p.step}, {"loss", window.loss / window.steps},
+                               {"acc", window.acc / window.steps}, {"grad_norm", window.grad_norm / window.steps},
+                               {"lr", p.lr}, {"tokens", window.tokens}, {"tokens_per_s", tps}};
+        if (window.ranking != 0) line["ranking_loss"] = window.ranking / window.steps;  // Σ layers, before α
+        metrics.write(line);
+        window = Window{};
+        t_window = now;
+      }
+    }
+    bar.update(todo.back().step, last_loss, last_acc, tps);
+  };
+
   for (int64_t step = meta.step; step < tc.steps; ++step) {
     std::vector<Sample> samples;
     for (int64_t i = 0; i < tc.batch_size; ++i) samples.push_back(stream.at(step * tc.batch_size + i));
@@ -137,49 +194,36 @@ TrainSummary train(const RunConfig& run) {
     LossResult r;
     {
       AutocastScope autocast(tc.precision, device);
-      r = masked_lm_loss(model, batch, ctx);
+      r = masked_lm_loss(model, batch, ctx, /*read_accuracy=*/false);
     }
     if (step == nan_step) r.loss = r.loss * std::nan("");
-    const double loss = r.loss.item<double>();
-    const double ranking = r.ranking.defined() ? r.ranking.item<double>() : 0.0;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
+    at::Tensor loss_d = r.loss.detach().to(at::kDouble);
+    at::Tensor ranking_d = r.ranking.defined() ? r.ranking.detach().to(at::kDouble) : at::zeros({}, f64);
     opt.zero_grad();
-    double gnorm = 0;
-    if (std::isfinite(loss)) {
+    at::Tensor gnorm_d;
+    if (defer) {
+      // Backward runs whatever the loss; a non-finite step is skipped on the device (found_inf)
+      // and reported when its metrics are read, before any checkpoint is written.
       (r.ranking.defined() ? r.loss + tc.ranking_alpha * r.ranking : r.loss).backward();
-      gnorm = clip_grad_norm(params, tc.grad_clip);
+      gnorm_d = clip_grad_norm_async(params, tc.grad_clip);
+    } else if (std::isfinite(loss_d.item<double>())) {
+      (r.ranking.defined() ? r.loss + tc.ranking_alpha * r.ranking : r.loss).backward();
+      gnorm_d = clip_grad_norm_async(params, tc.grad_clip);
+    } else {
+      gnorm_d = at::zeros({}, f64);
     }
-    if (!std::isfinite(loss) || !std::isfinite(gnorm)) {
-      bar.finish();
-      metrics.write({{"event", "error"}, {"step", step + 1}, {"loss", std::isfinite(loss) ? loss : -1.0},
-                     {"message", "non-finite loss or gradient"}});
-      std::string kept = last_saved_step >= 0
-                             ? fmt::format("the last good checkpoint {} (step {}) is kept", last_path, last_saved_step)
-                             : "no checkpoint had been written yet";
-      throw NonFiniteLoss(fmt::format("step {}: the {} is {}; training stopped and {}. Try a lower --lr or --grad-clip.",
-                                      step + 1, std::isfinite(loss) ? "gradient norm" : "loss",
-                                      std::isfinite(loss) ? gnorm : loss, kept));
+    pending.push_back({step + 1, lr, batch.num_tokens, r.samples, at::stack({loss_d, ranking_d, gnorm_d, r.correct})});
+    if (defer) {
+      opt.step(lr, at::isfinite(loss_d + gnorm_d).logical_not());
+    } else {
+      flush();  // throws on a non-finite step, before its update
+      opt.step(lr);
     }
-    opt.step(lr);
     meta.step = step + 1;
-    last_loss = loss;
-    last_acc = r.samples ? r.correct_sum / r.samples : 0;
-    window.loss += loss, window.acc += last_acc, window.grad_norm += gnorm, window.ranking += ranking;
-    window.steps += 1;
-    window.tokens += batch.num_tokens;
-
-    if (meta.step % tc.log_every == 0 || meta.step == tc.steps) {
-      const auto now = std::chrono::steady_clock::now();
-      const double dt = std::chrono::duration<double>(now - t_window).count();
-      tps = dt > 0 ? window.tokens / dt : 0;
-      nlohmann::json line = {{"event", "train"}, {"step", meta.step}, {"loss", window.loss / window.steps},
-                             {"acc", window.acc / window.steps}, {"grad_norm", window.grad_norm / window.steps},
-                             {"lr", lr}, {"tokens", window.tokens}, {"tokens_per_s", tps}};
-      if (window.ranking != 0) line["ranking_loss"] = window.ranking / window.steps;  // Σ layers, before α
-      metrics.write(line);
-      window = Window{};
-      t_window = now;
-    }
-    bar.update(meta.step, last_loss, last_acc, tps);
+    if (meta.step % tc.log_every == 0 || meta.step == tc.steps || meta.step % tc.eval_every == 0 ||
+        meta.step % tc.save_every == 0 || interrupted())
+      flush();
 
     const bool final_step = meta.step == tc.steps;
     if (meta.step % tc.eval_every == 0 || final_step) {
@@ -199,6 +243,7 @@ TrainSummary train(const RunConfig& run) {
       save_last();
     }
     if (interrupted()) {
+      flush();
       save_last();
       bar.finish();
       metrics.write({{"event", "interrupted"}, {"step", meta.step}});
