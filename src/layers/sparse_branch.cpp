@@ -37,10 +37,11 @@ at::Tensor SparseAttentionBranch::lsh_projection(const ForwardContext* ctx) cons
   return patterns::lsh_projection(N_, bits_, derive_seed(ctx ? ctx->seed : 0, 0x15A, (uint64_t)layer_));
 }
 
-patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                                                    const ForwardContext* ctx, at::Tensor* ks_scores) {
+std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tensor& q, const at::Tensor& k,
+                                                                  const at::Tensor& seq_idx, const ForwardContext* ctx,
+                                                                  at::Tensor* ks_scores) {
   const int64_t B = q.size(0), L = q.size(1);
-  patterns::KeyLists all;
+  std::vector<patterns::KeyLists> out;
   for (const auto& part : parts_) {
     patterns::KeyLists p;
     if (part == "sw") p = patterns::sliding_window(B, H_, L, keys_per_part_, seq_idx, q.device());
@@ -56,8 +57,15 @@ patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const a
       torch::NoGradGuard ng;
       p = patterns::top_k_prefix(scores.detach(), keys_per_part_, seq_idx);
     }
-    all = all.idx.defined() ? patterns::merge(all, p) : p;
+    out.push_back(p);
   }
+  return out;
+}
+
+patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                                                    const ForwardContext* ctx, at::Tensor* ks_scores) {
+  patterns::KeyLists all;
+  for (const auto& p : part_lists(q, k, seq_idx, ctx, ks_scores)) all = all.idx.defined() ? patterns::merge(all, p) : p;
   return all;
 }
 
@@ -66,6 +74,11 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
                                          at::Tensor* scores_out) {
   const int64_t B = vh.size(0), L = vh.size(1);
   if (kind_ == "full") return std::get<0>(ops::causal_attention(q, k, vh, seq_idx, 0, 1.0));
+  // A plain sliding window on the GPU is the causal kernel with a window of k keys (the same
+  // definition: the k most recent keys of the packed sequence, self included), which visits only
+  // the key tiles inside the window; no lists are built. The CPU, and recording, use the lists.
+  if (kind_ == "sw" && vh.is_cuda() && !(ctx && ctx->record))
+    return std::get<0>(ops::causal_attention(q, k, vh, seq_idx, keys_per_part_, 1.0));
   if (kind_ == "hsa") {
     at::Tensor lists;
     at::Tensor out = hsa->forward(qk_in, q, k, vh, seq_idx, 1.0, ctx && ctx->record ? &lists : nullptr);

@@ -168,14 +168,16 @@ Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   const Dims& d = in.d;
   in.q = q.contiguous(), in.k = k.contiguous(), in.v = v.contiguous();
   in.idx = idx.reshape({d.B, d.H, d.L, d.S, d.K}).contiguous();
-  if (in.idx.is_cuda()) check_idx_values_cuda(in.idx, d);
-  else check_idx_values(in.idx, d);
+  // On a CUDA device the value checks read the tensors back (a host synchronization), so they run
+  // only while check_device_values() is on; the kernels ignore out-of-range entries either way.
+  if (!in.idx.is_cuda()) check_idx_values(in.idx, d);
+  else if (check_device_values()) check_idx_values_cuda(in.idx, d);
   if (bias.defined()) in.bias = bias.contiguous();
   if (seg_w.defined()) in.seg_w = seg_w.contiguous();
   if (q_order.defined()) {
     in.q_order = q_order.contiguous();
-    if (in.q_order.is_cuda()) check_permutation_cuda(in.q_order, d);
-    else check_permutation(in.q_order, d);
+    if (!in.q_order.is_cuda()) check_permutation(in.q_order, d);
+    else if (check_device_values()) check_permutation_cuda(in.q_order, d);
   }
   return in;
 }
@@ -195,6 +197,28 @@ AttentionParams make_params(const Inputs& in, double scale) {
   return p;
 }
 
+// The CUDA tile path's plan (params.h, AttentionTilePlan), built on the device.
+struct TilePlan {
+  at::Tensor count, keys, mask;
+  AttentionTilePlan view() const {
+    AttentionTilePlan v;
+    v.count = count.data_ptr<int32_t>(), v.keys = keys.data_ptr<int32_t>();
+    v.mask = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
+    return v;
+  }
+};
+
+TilePlan build_tile_plan(const Inputs& in, const AttentionParams& p) {
+  const int64_t blocks = in.d.B * in.d.H * attention_tile_blocks(in.d.L);
+  const auto i32 = in.idx.options();
+  TilePlan plan;
+  plan.count = at::empty({blocks}, i32);
+  plan.keys = at::empty({blocks, kAttentionTileMaxKeys}, i32);
+  plan.mask = at::empty({blocks, kAttentionTilesPerBlock, kAttentionTileQueries}, i32.dtype(at::kLong));
+  HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_tile_plan_cuda(p, plan.view(), cuda_stream(in.q)));
+  return plan;
+}
+
 struct CudaGrads {
   at::Tensor dq, dk, dv, dbias, dseg_w;  // in q's dtype; dbias, dseg_w undefined when absent
 };
@@ -204,12 +228,16 @@ struct CudaGrads {
 // by a key pass over the list entries sorted by key (a stable sort of idx per (b, h) and a search
 // for each key's first entry, both on the device), in work chunks of at most kAttentionKeyChunk
 // entries of one key.
+// With a tile plan (the forward used the tile path), the planned query blocks go to the tile
+// kernels, which need the forward's output `out`, and the per-query kernels take the rest.
 CudaGrads backward_cuda(const Inputs& in, const at::Tensor& lse, const at::Tensor& dout, const at::Tensor& dlse,
-                        double scale, AttentionPath path) {
+                        double scale, AttentionPath path, const TilePlan* tiles, const at::Tensor& out) {
   const Dims& d = in.d;
   const bool det = deterministic();
   const auto f32 = in.q.options().dtype(at::kFloat);
-  auto accumulator = [&](std::vector<int64_t> sizes) { return det ? new_output(sizes, f32) : at::zeros(sizes, f32); };
+  auto accumulator = [&](std::vector<int64_t> sizes) {
+    return det && !tiles ? new_output(sizes, f32) : at::zeros(sizes, f32);
+  };
   CudaGrads g;
   g.dq = new_output_like(in.q);
   at::Tensor dk = accumulator({d.B, d.Lk, d.H, d.D}), dv = accumulator({d.B, d.Lk, d.H, d.Dv});
@@ -228,9 +256,10 @@ CudaGrads backward_cuda(const Inputs& in, const at::Tensor& lse, const at::Tenso
     gp.dq = g.dq.data_ptr(), gp.dk = dk.data_ptr(), gp.dv = dv.data_ptr();
     gp.dbias = dbias.defined() ? dbias.data_ptr() : nullptr;
     gp.dseg_w = g.dseg_w.defined() ? g.dseg_w.data_ptr() : nullptr;
-    gp.deterministic = det;
+    gp.deterministic = det && !tiles;
+    if (tiles) gp.fwd.tile_count = tiles->count.data_ptr<int32_t>();
     at::Tensor key_entries, key_start, chunk_start, partial_start, partials;
-    if (det) {
+    if (gp.deterministic) {
       const int64_t BH = d.B * d.H, N = d.L * d.S * d.K;
       if (N > 0) {
         // Entries e = (i*S + s)*K + t of each (b, h) sorted by key, stable: ascending e within a
@@ -263,6 +292,10 @@ CudaGrads backward_cuda(const Inputs& in, const at::Tensor& lse, const at::Tenso
     at::Tensor work = ws > 0 ? at::empty({ws}, f32) : at::Tensor();
     gp.workspace = ws > 0 ? work.data_ptr<float>() : nullptr;
     HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_backward_cuda(gp, kernel_dtype(in.q), cuda_stream(in.q)));
+    if (tiles) {
+      gp.fwd.out = out.data_ptr();
+      HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_tile_backward_cuda(gp, tiles->view(), cuda_stream(in.q)));
+    }
   }
   const auto dt = in.q.scalar_type();
   g.dk = dk.to(dt), g.dv = dv.to(dt);
@@ -288,11 +321,26 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
     at::Tensor lse = cuda ? new_output({d.B, d.H, d.L, d.S}, in.q.options().dtype(at::kFloat))
                           : at::empty({d.B, d.H, d.L, d.S}, in.q.options());
     p.out = out.data_ptr(), p.lse = lse.data_ptr();
+    // CUDA: the tile path takes the query blocks whose key union fits (params.h), the per-query
+    // kernels the rest.
+    const bool tiles = cuda && d.B * d.H * d.L > 0 && attention_tiles_apply(p, kernel_dtype(in.q), deterministic());
+    TilePlan plan;
+    if (tiles) {
+      plan = build_tile_plan(in, p);
+      p.tile_count = plan.count.data_ptr<int32_t>();
+    }
     if (d.B * d.H * d.L > 0) {
       if (cuda)
         HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_forward_cuda(p, kernel_dtype(in.q), cuda_stream(in.q)));
       else
         sparse_attention_forward_cpu(p, in.q.scalar_type());
+      if (tiles) HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_tile_forward_cuda(p, plan.view(), cuda_stream(in.q)));
+    }
+    ctx->saved_data["tiles"] = tiles;
+    if (tiles) {
+      ctx->saved_data["plan_count"] = plan.count;
+      ctx->saved_data["plan_keys"] = plan.keys;
+      ctx->saved_data["plan_mask"] = plan.mask;
     }
     auto or_empty = [&](const at::Tensor& t, at::ScalarType dt) { return t.defined() ? t : at::empty({0}, dt); };
     ctx->saved_data["scale"] = scale;
@@ -301,7 +349,8 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
     ctx->saved_data["has_q_order"] = in.q_order.defined();
     ctx->saved_data["path"] = int64_t(p.path);
     ctx->save_for_backward({in.q, in.k, in.v, in.idx, or_empty(in.bias, q.scalar_type()),
-                            or_empty(in.seg_w, q.scalar_type()), or_empty(in.q_order, at::kInt), lse});
+                            or_empty(in.seg_w, q.scalar_type()), or_empty(in.q_order, at::kInt), lse,
+                            tiles ? out : at::empty({0}, q.options())});
     return {out, lse};
   }
 
@@ -322,7 +371,14 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
       const at::Tensor dout = grads[0].defined() ? grads[0].to(in.q.scalar_type()).contiguous()
                                                  : at::zeros({d.B, d.L, d.H, d.Dv}, in.q.options());
       const at::Tensor dlse = grads[1].defined() ? grads[1].to(at::kFloat).contiguous() : at::Tensor();
-      const CudaGrads g = backward_cuda(in, lse, dout, dlse, scale, path);
+      TilePlan plan;
+      const bool tiles = ctx->saved_data["tiles"].toBool();
+      if (tiles) {
+        plan.count = ctx->saved_data["plan_count"].toTensor();
+        plan.keys = ctx->saved_data["plan_keys"].toTensor();
+        plan.mask = ctx->saved_data["plan_mask"].toTensor();
+      }
+      const CudaGrads g = backward_cuda(in, lse, dout, dlse, scale, path, tiles ? &plan : nullptr, s[8]);
       return {g.dq, g.dk, g.dv, at::Tensor(), g.dbias, g.dseg_w, at::Tensor(), at::Tensor()};
     }
     at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros({d.B, d.L, d.H, d.Dv}, in.q.options());

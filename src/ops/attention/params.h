@@ -33,6 +33,9 @@ struct AttentionParams {
   void* lse = nullptr;            // out (B, H, L, S) log-sum-exp of each segment's scores (-inf if empty);
                                   // float32 on CUDA, the input dtype on the CPU
   AttentionPath path = AttentionPath::kAuto;
+  // CUDA only: when set, the blocks of kAttentionTileQueries queries (in q_order) whose plan
+  // entry is >= 0 are computed by the tile kernels, and the per-query kernels skip their queries.
+  const int32_t* tile_count = nullptr;  // (B*H, ceil(L / kAttentionTileQueries)), see AttentionTilePlan
 };
 
 // Raw-pointer parameters of the backward. On the CPU every gradient has the input dtype. On CUDA,
@@ -67,6 +70,42 @@ struct AttentionGradParams {
                                                // Σ dscore q, Σ w a dO, Σ dscore of keys of several chunks
   float* workspace = nullptr;     // float32 scratch of sparse_attention_cuda_workspace(*this) entries
 };
+
+// ---------------------------------------------------------------------------------------------
+// CUDA tile path (bfloat16, one segment, not deterministic): a block of kAttentionTileQueries
+// consecutive queries in q_order shares its keys, so the kernels gather the block's key union
+// (at most kAttentionTileMaxKeys keys, ascending) into shared-memory tiles of
+// kAttentionTileKeys rows and run tensor-core tile products over it, masking each (query, key)
+// pair by a bit of the plan. Blocks with a larger union keep the per-query kernels.
+constexpr int64_t kAttentionTileQueries = 64;
+constexpr int64_t kAttentionTileKeys = 64;
+constexpr int64_t kAttentionTileMaxKeys = 512;
+constexpr int64_t kAttentionTilesPerBlock = kAttentionTileMaxKeys / kAttentionTileKeys;
+
+// The plan of every query block, built on the device from idx and q_order (tile_plan.cu).
+struct AttentionTilePlan {
+  int32_t* count = nullptr;  // (B*H, nblk) size of the block's key union, or -1 if it exceeds
+                             // kAttentionTileMaxKeys (the per-query kernels take the block)
+  int32_t* keys = nullptr;   // (B*H, nblk, kAttentionTileMaxKeys) the union ascending, -1 padded
+  uint64_t* mask = nullptr;  // (B*H, nblk, kAttentionTilesPerBlock, kAttentionTileQueries): bit c of
+                             // mask[..., t, r] = query r of the block lists key keys[t*64 + c]
+};
+HAX_HOST_DEVICE inline int64_t attention_tile_blocks(int64_t L) { return (L + kAttentionTileQueries - 1) / kAttentionTileQueries; }
+
+// Whether the CUDA tile path applies: bfloat16, one segment, no segment weights, not
+// deterministic, head dims <= 128 and not forced onto the per-query path.
+inline bool attention_tiles_apply(const AttentionParams& p, DType dtype, bool deterministic) {
+  return dtype == DType::kBF16 && p.nseg == 1 && p.seg_w == nullptr && !deterministic &&
+         p.path != AttentionPath::kPerQuery && p.dim <= 128 && p.vdim <= 128 && p.maxkeys > 0;
+}
+
+// Builds the plan (needs p.idx, p.q_order and the sizes).
+void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream);
+// Forward of the planned blocks (bfloat16): out and lse of their queries.
+void sparse_attention_tile_forward_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream);
+// Backward of the planned blocks: dq (bfloat16) of their queries, and their contributions to the
+// float32 accumulators dk, dv, dbias (atomics). Needs gp.fwd.out, the forward's output.
+void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const AttentionTilePlan& plan, void* stream);
 
 // Entries per work chunk of the deterministic key pass.
 constexpr int64_t kAttentionKeyChunk = 256;

@@ -40,6 +40,16 @@ inline void check_launch(const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
 }
 
+// Raises the dynamic shared memory limit of `kernel` (needed above 48 KiB), or throws naming `what`.
+template <class K>
+inline void allow_smem(K kernel, size_t bytes, const char* what) {
+  if (bytes <= 48 * 1024) return;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": cannot get " + std::to_string(bytes) +
+                             " bytes of shared memory: " + cudaGetErrorString(e));
+}
+
 }  // namespace hax::ops::cuda
 
 // Runs `body` with `scalar_t` = float or __nv_bfloat16 according to a DType.

@@ -44,8 +44,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t bh = blockIdx.x / nblk;
   const int64_t r = (int64_t)(blockIdx.x % nblk) * kQueries + grp;
   if (r >= lay.L) return;  // a whole group leaves; no CTA-wide barrier follows
+  if (p.tile_count && p.tile_count[bh * attention_tile_blocks(lay.L) + r / kAttentionTileQueries] >= 0)
+    return;  // the tile kernels compute this query's block
   const int64_t b = bh / lay.H, h = bh % lay.H, BH = p.batch * lay.H, N = lay.L * lay.S * lay.K;
   const int64_t i = p.q_order ? p.q_order[bh * lay.L + r] : r;
+  if (i < 0 || i >= lay.L) return;  // not a permutation entry (checked only with check_device_values)
   const int d0 = 4 * g.lane, D = (int)lay.D, Dv = (int)lay.Dv;
 
   float q[4], dO[4];
@@ -73,7 +76,7 @@ __global__ void __launch_bounds__(kThreads)
       // entries still get zeros for the key pass.)
       if (!kAtomic)
         for (int64_t t = g.lane; t < lay.K; t += G)
-          if (list[t] >= 0) ea[t] = 0.f, eb[t] = 0.f;
+          if (listed_key(list[t], lay.Lk) >= 0) ea[t] = 0.f, eb[t] = 0.f;
     } else {
       const float lse2 = lse * kLog2e;
       const float w = p.seg_w ? to_f32(((const T*)p.seg_w)[sg]) : 1.f;
@@ -81,7 +84,7 @@ __global__ void __launch_bounds__(kThreads)
       float A1[4] = {0.f, 0.f, 0.f, 0.f}, A2[4] = {0.f, 0.f, 0.f, 0.f};
       // Pass 1.
       for (int64_t t0 = 0; t0 < lay.K; t0 += G) {
-        const int32_t jl = t0 + g.lane < lay.K ? list[t0 + g.lane] : -1;
+        const int32_t jl = t0 + g.lane < lay.K ? listed_key(list[t0 + g.lane], lay.Lk) : -1;
         if (!g.any(jl >= 0)) continue;
         float my_a = 0.f, my_dp = 0.f;  // this lane's entry t0 + lane
         for (int c0 = 0; c0 < G; c0 += kChunk) {
@@ -132,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dq[e] += w * A1[e] + (dl - w * dw) * A2[e];
       for (int64_t t0 = 0; t0 < lay.K; t0 += G) {
-        const int32_t jl = t0 + g.lane < lay.K ? list[t0 + g.lane] : -1;
+        const int32_t jl = t0 + g.lane < lay.K ? listed_key(list[t0 + g.lane], lay.Lk) : -1;
         if (!g.any(jl >= 0)) continue;
         float ds = 0.f;
         if (jl >= 0) {

@@ -32,8 +32,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p, La
   const int64_t bh = blockIdx.x / nblk;
   const int64_t r = (int64_t)(blockIdx.x % nblk) * kQueries + threadIdx.x / G;  // rank in q_order
   if (r >= lay.L) return;  // a whole group leaves: no collective of another group waits on it
+  if (p.tile_count && p.tile_count[bh * attention_tile_blocks(lay.L) + r / kAttentionTileQueries] >= 0)
+    return;  // the tile kernels compute this query's block
   const int64_t b = bh / lay.H, h = bh % lay.H;
   const int64_t i = p.q_order ? p.q_order[bh * lay.L + r] : r;
+  if (i < 0 || i >= lay.L) return;  // not a permutation entry (checked only with check_device_values)
   const int d0 = 4 * g.lane, D = (int)lay.D, Dv = (int)lay.Dv;
 
   float q[4];
@@ -50,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p, La
     const int32_t* list = p.idx + lay.list(bh, i) + s * lay.K;
     float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int64_t t0 = 0; t0 < lay.K; t0 += G) {
-      const int32_t jl = t0 + g.lane < lay.K ? list[t0 + g.lane] : -1;
+      const int32_t jl = t0 + g.lane < lay.K ? listed_key(list[t0 + g.lane], lay.Lk) : -1;
       if (!g.any(jl >= 0)) continue;
       for (int c0 = 0; c0 < G; c0 += kChunk) {
         int32_t j[kChunk];

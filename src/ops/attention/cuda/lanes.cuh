@@ -11,6 +11,11 @@
 
 namespace hax::ops::attn {
 
+// A list entry as the kernels read it: a key position in [0, Lk), else -1 (none). The binding
+// checks the range only while ops::check_device_values() is on (the check reads device values);
+// this keeps an unchecked bad entry from reading outside k and v.
+__device__ __forceinline__ int32_t listed_key(int32_t j, int64_t Lk) { return j >= 0 && j < Lk ? j : -1; }
+
 using cuda::from_f32;
 using cuda::to_f32;
 

@@ -26,11 +26,12 @@
 
 #include "ops/causal_attention/cuda/kernels.cuh"
 #include "ops/causal_attention/cuda/tiles.cuh"
+#include "ops/cuda/mma_bf16.cuh"
 
 namespace hax::ops::causal_cuda {
 namespace {
 
-using bf16 = __nv_bfloat16;
+using namespace ::hax::ops::cuda::mma;
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kRows = 64;      // rows per block, 16 per warp
@@ -42,104 +43,6 @@ struct VecLoads {
 };
 
 inline bool aligned16(const void* ptr) { return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-__device__ __forceinline__ uint32_t ld32(const bf16* ptr) { return *reinterpret_cast<const uint32_t*>(ptr); }
-// Two bfloat16 from separate addresses in one register, `lo` in the low half.
-__device__ __forceinline__ uint32_t ld_pair(const bf16* lo, const bf16* hi) {
-  return (uint32_t)__bfloat16_as_ushort(*lo) | ((uint32_t)__bfloat16_as_ushort(*hi) << 16);
-}
-// Two floats rounded to bfloat16 in one register, `lo` in the low half (the lower k index).
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(lo)) |
-         ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
-}
-
-// c += A B for one m16n8k16 tile.
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// A fragment of rows r0..r0+15, columns k0..k0+15 of the row-major tile X (row stride S).
-template <int S>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, int k0, int g, int t) {
-  const bf16* p = X + (r0 + g) * S + k0 + 2 * t;
-  a[0] = ld32(p);
-  a[1] = ld32(p + 8 * S);
-  a[2] = ld32(p + 8);
-  a[3] = ld32(p + 8 * S + 8);
-}
-
-// B fragment (k0..k0+15) x (n0..n0+7) of B = Y^T, Y row-major (n, k) with row stride S.
-template <int S>
-__device__ __forceinline__ void load_b_nk(uint32_t& b0, uint32_t& b1, const bf16* Y, int n0, int k0, int g, int t) {
-  const bf16* p = Y + (n0 + g) * S + k0 + 2 * t;
-  b0 = ld32(p);
-  b1 = ld32(p + 8);
-}
-
-// B fragment (k0..k0+15) x (n0..n0+7) of B = Y, Y row-major (k, n) with row stride S.
-template <int S>
-__device__ __forceinline__ void load_b_kn(uint32_t& b0, uint32_t& b1, const bf16* Y, int k0, int n0, int g, int t) {
-  const bf16* p = Y + (k0 + 2 * t) * S + n0 + g;
-  b0 = ld_pair(p, p + S);
-  b1 = ld_pair(p + 8 * S, p + 9 * S);
-}
-
-// The A fragment of k step kk (columns 16kk..16kk+15) from the C fragments of a (16, 8 NT) tile.
-template <int NT>
-__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
-  a[0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
-  a[1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
-  a[2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-  a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-}
-
-// s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S).
-template <int DB, int NT, int S>
-__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, int g, int t) {
-#pragma unroll
-  for (int ks = 0; ks < DB / 16; ++ks) {
-    uint32_t a[4];
-    load_a<S>(a, X, r0, ks * 16, g, t);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      uint32_t b0, b1;
-      load_b_nk<S>(b0, b1, Y, nt * 8, ks * 16, g, t);
-      mma(s[nt], a, b0, b1);
-    }
-  }
-}
-
-// acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S).
-template <int DB, int NT, int S>
-__device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
-                                                int g, int t) {
-#pragma unroll
-  for (int kk = 0; kk < NT / 2; ++kk) {
-    uint32_t a[4];
-    c_to_a<NT>(a, pc, kk);
-#pragma unroll
-    for (int nt = 0; nt < DB / 8; ++nt) {
-      uint32_t b0, b1;
-      load_b_kn<S>(b0, b1, Y, kk * 16, nt * 8, g, t);
-      mma(acc[nt], a, b0, b1);
-    }
-  }
-}
-
-// Max and sum over the 4 lanes of a fragment row (lanes 4g..4g+3).
-__device__ __forceinline__ float max4(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float sum4(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
 
 // Writes rows row[0], row[1] of a (16, DB) accumulator times `mul[r]` to dst (row stride `stride`,
 // columns < ncols, rows < L).

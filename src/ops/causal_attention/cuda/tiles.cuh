@@ -17,6 +17,7 @@
 
 #include "ops/causal_attention/params.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/mma_bf16.cuh"
 
 namespace hax::ops::causal_cuda {
 
@@ -147,34 +148,9 @@ __device__ __forceinline__ void load_rows_bf16(__nv_bfloat16* dst, int dst_strid
   }
 }
 
-// Sets the dynamic shared memory limit of `kernel` (needed above 48 KiB) and checks the launch
-// will fit.
-template <class K>
-inline void allow_smem(K kernel, size_t bytes, const char* what) {
-  if (bytes <= 48 * 1024) return;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": cannot get " + std::to_string(bytes) +
-                             " bytes of shared memory: " + cudaGetErrorString(e));
-}
+using cuda::allow_smem;
 
 }  // namespace hax::ops::causal_cuda
 
-// Runs `body` with `constexpr int DB` = the smallest of 16, 32, 64, 128 that holds both head dims
-// (the kernels pad D and Dv to DB with zeros).
-#define HAX_CAUSAL_DISPATCH_HEAD_DIM(dmax, ...) \
-  do {                                          \
-    if ((dmax) <= 16) {                         \
-      constexpr int DB = 16;                    \
-      __VA_ARGS__();                            \
-    } else if ((dmax) <= 32) {                  \
-      constexpr int DB = 32;                    \
-      __VA_ARGS__();                            \
-    } else if ((dmax) <= 64) {                  \
-      constexpr int DB = 64;                    \
-      __VA_ARGS__();                            \
-    } else {                                    \
-      constexpr int DB = 128;                   \
-      __VA_ARGS__();                            \
-    }                                           \
-  } while (0)
+// Runs `body` with `constexpr int DB` for the head dims (ops/cuda/mma_bf16.cuh).
+#define HAX_CAUSAL_DISPATCH_HEAD_DIM(dmax, ...) HAX_DISPATCH_HEAD_DIM(dmax, __VA_ARGS__)

@@ -1,0 +1,141 @@
+// The plan of the sparse attention tile path (params.h, AttentionTilePlan): for every block of
+// kAttentionTileQueries consecutive queries in q_order, the union of their key lists, ascending,
+// and one bit per (query, union key) saying whether the query lists that key.
+//
+// One CTA of 8 warps per (b, h, block); warp w takes the block's queries w, w + 8, ...:
+//   1. every list entry goes into a shared-memory hash set (open addressing; a plain read first,
+//      atomicCAS only to claim an empty slot) that counts distinct keys; a warp stops inserting
+//      once the count passes kAttentionTileMaxKeys (the block overflows: count -1, and the
+//      per-query kernels take it). A warp inserts at most 32 keys after its last check, so the
+//      set never holds more than 512 + 8·32 < 1024 keys and every probe sequence ends;
+//   2. the keys are gathered into an array and sorted (bitonic over the next power of two >= 64
+//      of their count, two per thread);
+//   3. each warp finds the slots of its query's keys by binary search and ORs the bits of each
+//      64-key tile across the warp (__reduce_or_sync): no atomics, one store per (query, tile).
+// The result does not depend on the order of the atomics: the union is sorted and the masks are
+// ORs of fixed bits.
+#include <climits>
+
+#include "ops/attention/params.h"
+#include "ops/cuda/common.cuh"
+
+namespace hax::ops {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kQ = (int)kAttentionTileQueries;
+constexpr int kU = (int)kAttentionTileMaxKeys;
+constexpr int kTiles = (int)kAttentionTilesPerBlock;
+constexpr int kHash = 1024;  // hash slots: a power of two above kU + 32 kWarps
+static_assert(kU == 2 * kThreads, "the bitonic sort gives two keys to each thread");
+static_assert(kHash >= kU + 32 * kWarps, "the hash set must hold every key inserted before a warp sees the overflow");
+
+// Slot of a key: the top 10 bits of a multiplicative hash.
+__device__ __forceinline__ int hash_slot(int32_t key) { return (int)(((uint32_t)key * 2654435761u) >> 22); }
+
+__global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, AttentionTilePlan plan, int64_t nblk) {
+  __shared__ int32_t table[kHash];
+  __shared__ int32_t keys[kU];
+  __shared__ int count, filled;
+  const int64_t bh = blockIdx.x / nblk, blk = blockIdx.x % nblk, L = p.seqlen, K = p.maxkeys;
+  const int64_t r0 = blk * kQ;
+  const int nq = (int)(L - r0 < kQ ? L - r0 : kQ), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t* order = p.q_order ? p.q_order + bh * L : nullptr;
+  const int32_t* idx = p.idx + bh * L * K;  // one segment: (L, K) per (b, h)
+  auto list_of = [&](int r) -> const int32_t* {  // the list of the block's query r (rank r0 + r in q_order)
+    const int64_t i = order ? order[r0 + r] : r0 + r;
+    return i >= 0 && i < L ? idx + i * K : nullptr;  // not a permutation entry: no keys
+  };
+  for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1;
+  if (threadIdx.x == 0) count = 0, filled = 0;
+  __syncthreads();
+
+  const int64_t Lk = p.keylen;
+  for (int r = warp; r < nq; r += kWarps) {
+    const int32_t* list = list_of(r);
+    for (int64_t t0 = 0; list && t0 < K; t0 += 32) {
+      if (*(volatile int*)&count > kU) break;
+      const int32_t key = t0 + lane < K ? list[t0 + lane] : -1;
+      if (key < 0 || key >= Lk) continue;  // -1, or out of range (unchecked input): no key
+      for (int h = hash_slot(key);; h = (h + 1) & (kHash - 1)) {
+        int32_t cur = *(volatile int32_t*)&table[h];
+        if (cur == -1) {
+          cur = atomicCAS(&table[h], -1, key);
+          if (cur == -1) {
+            atomicAdd(&count, 1);
+            break;
+          }
+        }
+        if (cur == key) break;
+      }
+    }
+  }
+  __syncthreads();
+  const int u = count;
+  if (u > kU) {
+    if (threadIdx.x == 0) plan.count[blockIdx.x] = -1;
+    return;
+  }
+
+  for (int i = threadIdx.x; i < kHash; i += kThreads)
+    if (table[i] >= 0) keys[atomicAdd(&filled, 1)] = table[i];
+  __syncthreads();
+  int n2 = 64;  // the sort's length: a power of two >= u (the same in every thread)
+  while (n2 < u) n2 <<= 1;
+  for (int i = u + threadIdx.x; i < n2; i += kThreads) keys[i] = INT_MAX;  // padding sorts last
+  __syncthreads();
+  for (int size = 2; size <= n2; size <<= 1)
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      const int pr = threadIdx.x, i = 2 * stride * (pr / stride) + pr % stride, j = i + stride;
+      if (pr < n2 / 2) {
+        const bool ascending = (i & size) == 0;
+        const int32_t a = keys[i], b = keys[j];
+        if ((a > b) == ascending) keys[i] = b, keys[j] = a;
+      }
+      __syncthreads();
+    }
+
+  unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
+  const int ntiles = (u + 63) / 64;
+  for (int r = warp; r < kQ; r += kWarps) {
+    const int32_t* list = r < nq ? list_of(r) : nullptr;  // (rows past L: zero masks)
+    unsigned long long bits[kTiles] = {};
+    for (int64_t t0 = 0; list && t0 < K; t0 += 32) {
+      const int32_t key = t0 + lane < K ? list[t0 + lane] : -1;
+      if (key < 0 || key >= Lk) continue;
+      int lo = 0, hi = u - 1;  // keys[0..u) ascending and holding key
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (keys[mid] < key) lo = mid + 1;
+        else hi = mid;
+      }
+      const unsigned long long bit = 1ull << (lo % 64);
+#pragma unroll
+      for (int tt = 0; tt < kTiles; ++tt) bits[tt] |= lo / 64 == tt ? bit : 0ull;
+    }
+#pragma unroll
+    for (int tt = 0; tt < kTiles; ++tt) {
+      if (tt < ntiles) {  // warp-uniform
+        const unsigned lo32 = __reduce_or_sync(0xffffffffu, (unsigned)bits[tt]);
+        const unsigned hi32 = __reduce_or_sync(0xffffffffu, (unsigned)(bits[tt] >> 32));
+        if (lane == 0) mout[tt * kQ + r] = (unsigned long long)lo32 | ((unsigned long long)hi32 << 32);
+      }
+    }
+  }
+  int32_t* kout = plan.keys + (int64_t)blockIdx.x * kU;
+  for (int i = threadIdx.x; i < kU; i += kThreads) kout[i] = i < u ? keys[i] : -1;
+  if (threadIdx.x == 0) plan.count[blockIdx.x] = u;
+}
+
+}  // namespace
+
+void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream) {
+  const int64_t nblk = attention_tile_blocks(p.seqlen), grid = p.batch * p.nheads * nblk;
+  if (grid == 0) return;
+  if (p.nseg != 1) throw std::runtime_error("sparse_attention tile plan: needs one segment per query");
+  tile_plan_kernel<<<(unsigned)grid, kThreads, 0, (cudaStream_t)stream>>>(p, plan, nblk);
+  cuda::check_launch("sparse_attention tile plan");
+}
+
+}  // namespace hax::ops

@@ -1,0 +1,439 @@
+// The sparse attention tile path on tensor cores (bfloat16; params.h has when it applies): one
+// CTA of 4 warps per (b, h, block of 64 queries in q_order) walks the block's key union from the
+// plan (tile_plan.cu) in tiles of 64 keys, gathered row by row into shared memory, and runs the
+// flash-style tile products of ops/cuda/mma_bf16.cuh on them. A (query, key) pair of a tile
+// counts only if its plan bit is set; every other pair is masked. Scores:
+//   s_ij = q_i·k_j · scale + bias_j   (log2 units inside: s·log2e),
+// and with P_ij = exp(s_ij - lse_i), Δ_i = dO_i·O_i - dlse_i (computed per block from the
+// forward's output), dS_ij = P_ij (dO_i·v_j - Δ_i):
+// forward   O_i = Σ_j P_ij v_j, lse_i (online softmax over the tiles; an empty list gives
+//           O_i = 0, lse_i = -inf),
+// dq        dq_i = scale Σ_j dS_ij k_j (one CTA per query block, no atomics),
+// dk, dv    per tile, with the tile's keys as rows: dv_j += Σ_i P_ij dO_i, dk_j += scale
+//           Σ_i dS_ij q_i, dbias_j += Σ_i dS_ij, added to float32 accumulators with atomics
+//           (a key appears in the unions of several blocks).
+// P and dS enter the second product of each step rounded to bfloat16, as in FlashAttention-2
+// and the causal attention kernel; everything else is float32.
+#include "ops/attention/params.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/mma_bf16.cuh"
+
+namespace hax::ops {
+namespace {
+
+using namespace ::hax::ops::cuda::mma;
+using cuda::to_f32;
+
+constexpr int kThreads = 128;  // 4 warps of 16 rows
+constexpr int kQ = (int)kAttentionTileQueries;
+constexpr int kTK = (int)kAttentionTileKeys;
+constexpr int kU = (int)kAttentionTileMaxKeys;
+constexpr int kTiles = (int)kAttentionTilesPerBlock;
+constexpr int NT = kTK / 8;  // 8-column mma tiles across a key (or query) tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Sizes as ints (the launcher checks they fit) and flags of the launch.
+struct Sizes {
+  int L = 0, Lk = 0, H = 0, D = 0, Dv = 0;
+  int64_t nblk = 0;      // query blocks per (b, h)
+  float scale = 1.f;     // score scale
+  float scale2 = 1.f;    // scale · log2e
+  bool vec_qk = false;   // q, k rows can be copied 16 bytes at a time
+  bool vec_v = false;    // v, dout rows too
+};
+
+// Copies rows pos[r] (r < nrows; pos < 0 gives zeros) of a (positions, stride) bfloat16 array,
+// columns < nvalid, into the shared (nrows, S) tile, zero-filled up to ncols.
+template <int S>
+__device__ __forceinline__ void gather_rows(bf16* dst, const bf16* src, int64_t stride, const int32_t* pos,
+                                            int nrows, int nvalid, int ncols, bool vec) {
+  if (vec) {
+    const int chunks = ncols / 8;
+    for (int x = threadIdx.x; x < nrows * chunks; x += kThreads) {
+      const int r = x / chunks, c = (x % chunks) * 8, i = pos[r];
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (i >= 0 && c < nvalid) val = *reinterpret_cast<const uint4*>(src + (int64_t)i * stride + c);
+      *reinterpret_cast<uint4*>(dst + r * S + c) = val;
+    }
+  } else {
+    const bf16 zero = __float2bfloat16(0.f);
+    for (int x = threadIdx.x; x < nrows * ncols; x += kThreads) {
+      const int r = x / ncols, c = x % ncols, i = pos[r];
+      dst[r * S + c] = (i >= 0 && c < nvalid) ? src[(int64_t)i * stride + c] : zero;
+    }
+  }
+}
+
+// The positions of the block's queries (-1 past L), in q_order.
+__device__ __forceinline__ void block_queries(int32_t* rows, const AttentionParams& p, const Sizes& z, int64_t bh,
+                                              int64_t blk) {
+  for (int r = threadIdx.x; r < kQ; r += kThreads) {
+    const int64_t rank = blk * kQ + r;
+    const int32_t i = rank < z.L ? (p.q_order ? p.q_order[bh * z.L + rank] : (int32_t)rank) : -1;
+    rows[r] = i >= 0 && i < z.L ? i : -1;  // (an out-of-range q_order entry, unchecked input: no row)
+  }
+}
+
+// Writes rows[r] of a (16, DB) accumulator (the thread's rows r0+g, r0+g+8) times mul[r] into
+// dst (row stride `stride`, columns < ncols); rows < 0 are skipped.
+template <int DB>
+__device__ __forceinline__ void store_rows_at(bf16* dst, int64_t stride, const float (&acc)[DB / 8][4],
+                                              const int (&row)[2], const float (&mul)[2], int ncols, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row[r] < 0) continue;
+    bf16* out = dst + (int64_t)row[r] * stride;
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int d = nt * 8 + 2 * t + c;
+        if (d < ncols) out[d] = __float2bfloat16(acc[nt][2 * r + c] * mul[r]);
+      }
+  }
+}
+
+// acc[nt][2r..2r+1] (columns nt*8 + 2t, +1 of row `row`) times mul, added to the float32 array
+// dst (row stride `stride`, columns < ncols) with atomics, two at a time where aligned.
+template <int DB>
+__device__ __forceinline__ void atomic_add_row(float* dst, const float (&acc)[DB / 8][4], int r, float mul,
+                                               int ncols, int t, bool pairs) {
+#pragma unroll
+  for (int nt = 0; nt < DB / 8; ++nt) {
+    const int d = nt * 8 + 2 * t;
+    if (d >= ncols) continue;
+    const float a = acc[nt][2 * r] * mul, b = acc[nt][2 * r + 1] * mul;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (pairs) {
+      atomicAdd(reinterpret_cast<float2*>(dst + d), make_float2(a, b));
+      continue;
+    }
+#endif
+    atomicAdd(dst + d, a);
+    if (d + 1 < ncols) atomicAdd(dst + d + 1, b);
+  }
+}
+
+// Δ_i = dO_i·O_i - dlse_i of the block's queries into dl[0..kQ) (0 for rows without a query), a
+// warp per row; O is the forward's output (gp.fwd.out).
+__device__ __forceinline__ void block_delta(float* dl, const AttentionGradParams& gp, const Sizes& z,
+                                            const int32_t* rows, int64_t b, int64_t h, int64_t bh) {
+  const int64_t sv = (int64_t)z.H * z.Dv, off = ((int64_t)b * z.L * z.H + h) * z.Dv;
+  const bf16* dout = (const bf16*)gp.dout + off;
+  const bf16* out = (const bf16*)gp.fwd.out + off;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < kQ; r += kThreads / 32) {
+    const int i = rows[r];
+    float acc = 0.f;
+    if (i >= 0)
+      for (int d = lane; d < z.Dv; d += 32) acc += to_f32(dout[i * sv + d]) * to_f32(out[i * sv + d]);
+    acc = cuda::warp_sum(acc);
+    if (lane == 0) dl[r] = i >= 0 ? acc - (gp.dlse ? ((const float*)gp.dlse)[bh * z.L + i] : 0.f) : 0.f;
+  }
+}
+
+template <int DB>
+struct Cfg {
+  static constexpr int S = DB + 8;  // shared row stride (bfloat16 entries)
+  static constexpr int DT = DB / 8;
+  static constexpr size_t fwd_smem = sizeof(bf16) * (kQ + 2 * kTK) * S;  // sQ, sK, sV
+  static constexpr size_t bwd_smem = sizeof(bf16) * (2 * kQ + 2 * kTK) * S;  // sQ, sdO, sK, sV
+};
+
+// Per-CTA shared state of a block: query positions, the current tile's keys and biases.
+struct BlockShared {
+  int32_t rows[kQ];
+  int32_t keys[kTK];
+  float bias2[kTK];
+};
+
+// Loads tile tt of the block's union into bs.keys / bs.bias2.
+__device__ __forceinline__ void load_tile_keys(BlockShared& bs, const AttentionParams& p, const AttentionTilePlan& plan,
+                                               const Sizes& z, int64_t bh, int tt) {
+  const int32_t* keys = plan.keys + (int64_t)blockIdx.x * kU + tt * kTK;
+  const bf16* bias = p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr;
+  for (int c = threadIdx.x; c < kTK; c += kThreads) {
+    const int32_t j = keys[c];
+    bs.keys[c] = j;
+    bs.bias2[c] = bias && j >= 0 ? to_f32(bias[j]) * kLog2e : 0.f;
+  }
+}
+
+template <int DB>
+__global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams p, AttentionTilePlan plan, Sizes z) {
+  constexpr int S = Cfg<DB>::S, DT = Cfg<DB>::DT;
+  const int count = plan.count[blockIdx.x];
+  if (count < 0) return;  // the per-query kernels take this block
+  extern __shared__ uint4 smem_u4[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
+  bf16* sK = sQ + kQ * S;
+  bf16* sV = sK + kTK * S;
+  __shared__ BlockShared bs;
+  const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
+  const int64_t sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
+  const bf16* q = (const bf16*)p.q + ((int64_t)b * z.L * z.H + h) * z.D;
+  const bf16* k = (const bf16*)p.k + ((int64_t)b * z.Lk * z.H + h) * z.D;
+  const bf16* v = (const bf16*)p.v + ((int64_t)b * z.Lk * z.H + h) * z.Dv;
+  const unsigned long long* mask =
+      reinterpret_cast<const unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
+
+  block_queries(bs.rows, p, z, bh, blk);
+  __syncthreads();
+  gather_rows<S>(sQ, q, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
+  const int rr[2] = {r0 + g, r0 + g + 8};  // the thread's two rows of the block
+
+  float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int ntiles = (count + kTK - 1) / kTK;
+  for (int tt = 0; tt < ntiles; ++tt) {
+    __syncthreads();  // the previous tile's keys, sK, sV are read
+    load_tile_keys(bs, p, plan, z, bh, tt);
+    __syncthreads();
+    gather_rows<S>(sK, k, sqk, bs.keys, kTK, z.D, DB, z.vec_qk);
+    gather_rows<S>(sV, v, sv, bs.keys, kTK, z.Dv, DB, z.vec_v);
+    const unsigned long long bits[2] = {mask[tt * kQ + rr[0]], mask[tt * kQ + rr[1]]};
+    __syncthreads();
+    float s[NT][4] = {};
+    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
+        s[nt][e] = (bits[r] >> c) & 1ull ? s[nt][e] * z.scale2 + bs.bias2[c] : -INFINITY;
+        mx[r] = fmaxf(mx[r], s[nt][e]);
+      }
+    float m_use[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m[r], max4(mx[r]));
+      m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // no listed key yet
+      alpha[r] = exp2f(m[r] - m_use[r]);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
+        l[e / 2] += s[nt][e];
+      }
+#pragma unroll
+    for (int nt = 0; nt < DT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
+    warp_accumulate<DB, NT, S>(o, s, sV, g, t);
+  }
+
+  float inv[2];
+  int row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = sum4(l[r]);
+    inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;  // an empty list outputs 0
+    row[r] = bs.rows[rr[r]];
+  }
+  store_rows_at<DB>((bf16*)p.out + ((int64_t)b * z.L * z.H + h) * z.Dv, sv, o, row, inv, z.Dv, t);
+  float* lse = (float*)p.lse + bh * z.L;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    if (t == 0 && row[r] >= 0) lse[row[r]] = l[r] > 0.f ? m[r] * kLn2 + logf(l[r]) : -INFINITY;
+}
+
+// dq of the block's queries: S = Q K^T, dP = dO V^T, dS = P (dP - Δ), dQ += dS K over the tiles.
+template <int DB>
+__global__ void __launch_bounds__(kThreads)
+    tile_dq_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
+  constexpr int S = Cfg<DB>::S, DT = Cfg<DB>::DT;
+  const AttentionParams& p = gp.fwd;
+  const int count = plan.count[blockIdx.x];
+  if (count < 0) return;
+  extern __shared__ uint4 smem_u4[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
+  bf16* sdO = sQ + kQ * S;
+  bf16* sK = sdO + kQ * S;
+  bf16* sV = sK + kTK * S;
+  __shared__ BlockShared bs;
+  const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
+  const int64_t sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
+  const int64_t off_q = ((int64_t)b * z.L * z.H + h) * z.D, off_o = ((int64_t)b * z.L * z.H + h) * z.Dv;
+  const bf16* k = (const bf16*)p.k + ((int64_t)b * z.Lk * z.H + h) * z.D;
+  const bf16* v = (const bf16*)p.v + ((int64_t)b * z.Lk * z.H + h) * z.Dv;
+  const unsigned long long* mask =
+      reinterpret_cast<const unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
+
+  block_queries(bs.rows, p, z, bh, blk);
+  __syncthreads();
+  gather_rows<S>(sQ, (const bf16*)p.q + off_q, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
+  gather_rows<S>(sdO, (const bf16*)gp.dout + off_o, sv, bs.rows, kQ, z.Dv, DB, z.vec_v);
+  __shared__ float sDl[kQ];
+  block_delta(sDl, gp, z, bs.rows, b, h, bh);
+  __syncthreads();
+  const int rr[2] = {r0 + g, r0 + g + 8};
+  int row[2];
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row[r] = bs.rows[rr[r]];
+    const float lse = row[r] >= 0 ? ((const float*)p.lse)[bh * z.L + row[r]] : -INFINITY;
+    lse2[r] = lse == -INFINITY ? 0.f : lse * kLog2e;  // an empty list has no set bit
+    dl[r] = sDl[rr[r]];
+  }
+
+  float acc[DT][4] = {};
+  const int ntiles = (count + kTK - 1) / kTK;
+  for (int tt = 0; tt < ntiles; ++tt) {
+    __syncthreads();
+    load_tile_keys(bs, p, plan, z, bh, tt);
+    __syncthreads();
+    gather_rows<S>(sK, k, sqk, bs.keys, kTK, z.D, DB, z.vec_qk);
+    gather_rows<S>(sV, v, sv, bs.keys, kTK, z.Dv, DB, z.vec_v);
+    const unsigned long long bits[2] = {mask[tt * kQ + rr[0]], mask[tt * kQ + rr[1]]};
+    __syncthreads();
+    float s[NT][4] = {}, dp[NT][4] = {};
+    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
+    warp_dot<DB, NT, S>(dp, sdO, r0, sV, g, t);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
+        const float pr = (bits[r] >> c) & 1ull ? exp2f(s[nt][e] * z.scale2 + bs.bias2[c] - lse2[r]) : 0.f;
+        s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
+      }
+    warp_accumulate<DB, NT, S>(acc, s, sK, g, t);  // dQ += dS K
+  }
+  const float scale[2] = {z.scale, z.scale};
+  store_rows_at<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.D, t);
+}
+
+// dk, dv, dbias contributions of the block: per tile, keys as rows and the block's queries as
+// columns: S^T = K Q^T, dP^T = V dO^T, dV = P^T dO, dK = dS^T Q, dbias = row sums of dS^T.
+template <int DB>
+__global__ void __launch_bounds__(kThreads)
+    tile_dkdv_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
+  constexpr int S = Cfg<DB>::S, DT = Cfg<DB>::DT;
+  const AttentionParams& p = gp.fwd;
+  const int count = plan.count[blockIdx.x];
+  if (count < 0) return;
+  extern __shared__ uint4 smem_u4[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
+  bf16* sdO = sQ + kQ * S;
+  bf16* sK = sdO + kQ * S;
+  bf16* sV = sK + kTK * S;
+  __shared__ BlockShared bs;
+  __shared__ float sLse2[kQ], sDl[kQ];
+  __shared__ unsigned long long sMask[kQ];
+  const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
+  const int64_t sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
+  const int64_t off_k = ((int64_t)b * z.Lk * z.H + h) * z.D, off_v = ((int64_t)b * z.Lk * z.H + h) * z.Dv;
+  const bf16* k = (const bf16*)p.k + off_k;
+  const bf16* v = (const bf16*)p.v + off_v;
+  const unsigned long long* mask =
+      reinterpret_cast<const unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
+  float* dk_acc = (float*)gp.dk + off_k;
+  float* dv_acc = (float*)gp.dv + off_v;
+  float* db_acc = gp.dbias ? (float*)gp.dbias + bh * z.Lk : nullptr;
+
+  block_queries(bs.rows, p, z, bh, blk);
+  __syncthreads();
+  gather_rows<S>(sQ, (const bf16*)p.q + ((int64_t)b * z.L * z.H + h) * z.D, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
+  gather_rows<S>(sdO, (const bf16*)gp.dout + ((int64_t)b * z.L * z.H + h) * z.Dv, sv, bs.rows, kQ, z.Dv, DB,
+                 z.vec_v);
+  for (int c = threadIdx.x; c < kQ; c += kThreads) {
+    const int i = bs.rows[c];
+    const float lse = i >= 0 ? ((const float*)p.lse)[bh * z.L + i] : -INFINITY;
+    sLse2[c] = lse == -INFINITY ? 0.f : lse * kLog2e;
+  }
+  block_delta(sDl, gp, z, bs.rows, b, h, bh);  // read after the loop's first barrier
+  const bool pairs_k = z.D % 2 == 0, pairs_v = z.Dv % 2 == 0;
+
+  const int ntiles = (count + kTK - 1) / kTK;
+  for (int tt = 0; tt < ntiles; ++tt) {
+    __syncthreads();
+    load_tile_keys(bs, p, plan, z, bh, tt);
+    for (int c = threadIdx.x; c < kQ; c += kThreads) sMask[c] = mask[tt * kQ + c];
+    __syncthreads();
+    gather_rows<S>(sK, k, sqk, bs.keys, kTK, z.D, DB, z.vec_qk);
+    gather_rows<S>(sV, v, sv, bs.keys, kTK, z.Dv, DB, z.vec_v);
+    __syncthreads();
+    const int kr[2] = {r0 + g, r0 + g + 8};  // the thread's two key rows of the tile
+    float st[NT][4] = {}, dpt[NT][4] = {}, db[2] = {0.f, 0.f};
+    warp_dot<DB, NT, S>(st, sK, r0, sQ, g, t);
+    warp_dot<DB, NT, S>(dpt, sV, r0, sdO, g, t);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
+        const float pr =
+            (sMask[c] >> kr[r]) & 1ull ? exp2f(st[nt][e] * z.scale2 + bs.bias2[kr[r]] - sLse2[c]) : 0.f;
+        st[nt][e] = pr;
+        dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
+        db[r] += dpt[nt][e];
+      }
+    float dk[DT][4] = {}, dv[DT][4] = {};
+    warp_accumulate<DB, NT, S>(dv, st, sdO, g, t);  // dV = P^T dO
+    warp_accumulate<DB, NT, S>(dk, dpt, sQ, g, t);  // dK = dS^T Q
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float dbr = sum4(db[r]);
+      const int j = bs.keys[kr[r]];
+      if (j < 0) continue;
+      atomic_add_row<DB>(dk_acc + (int64_t)j * sqk, dk, r, z.scale, z.D, t, pairs_k);
+      atomic_add_row<DB>(dv_acc + (int64_t)j * sv, dv, r, 1.f, z.Dv, t, pairs_v);
+      if (db_acc && t == 0) atomicAdd(db_acc + j, dbr);
+    }
+  }
+}
+
+bool aligned16(const void* ptr) { return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+Sizes sizes_of(const AttentionParams& p, const void* dout) {
+  auto fits = [](int64_t x) { return x < (int64_t)INT32_MAX; };
+  if (!fits(p.seqlen * p.nheads * (p.dim > p.vdim ? p.dim : p.vdim)) || !fits(p.keylen * p.nheads * p.dim) ||
+      !fits(p.keylen * p.nheads * p.vdim))
+    throw std::runtime_error("sparse_attention tiles: a row of q, k or v spans more than 2^31 entries");
+  Sizes z;
+  z.L = (int)p.seqlen, z.Lk = (int)p.keylen, z.H = (int)p.nheads, z.D = (int)p.dim, z.Dv = (int)p.vdim;
+  z.nblk = attention_tile_blocks(p.seqlen);
+  z.scale = (float)p.scale, z.scale2 = (float)p.scale * kLog2e;
+  z.vec_qk = p.dim % 8 == 0 && aligned16(p.q) && aligned16(p.k);
+  z.vec_v = p.vdim % 8 == 0 && aligned16(p.v) && (dout == nullptr || aligned16(dout));
+  return z;
+}
+
+}  // namespace
+
+void sparse_attention_tile_forward_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream) {
+  const Sizes z = sizes_of(p, nullptr);
+  const int64_t grid = p.batch * p.nheads * z.nblk;
+  if (grid == 0) return;
+  HAX_DISPATCH_HEAD_DIM(p.dim > p.vdim ? p.dim : p.vdim, [&] {
+    constexpr size_t smem = Cfg<DB>::fwd_smem;
+    cuda::allow_smem(tile_forward_kernel<DB>, smem, "sparse_attention tile forward");
+    tile_forward_kernel<DB><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(p, plan, z);
+  });
+  cuda::check_launch("sparse_attention tile forward");
+}
+
+void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const AttentionTilePlan& plan, void* stream) {
+  const Sizes z = sizes_of(gp.fwd, gp.dout);
+  const int64_t grid = gp.fwd.batch * gp.fwd.nheads * z.nblk;
+  if (grid == 0) return;
+  HAX_DISPATCH_HEAD_DIM(gp.fwd.dim > gp.fwd.vdim ? gp.fwd.dim : gp.fwd.vdim, [&] {
+    constexpr size_t smem = Cfg<DB>::bwd_smem;
+    cuda::allow_smem(tile_dq_kernel<DB>, smem, "sparse_attention tile backward");
+    cuda::allow_smem(tile_dkdv_kernel<DB>, smem, "sparse_attention tile backward");
+    tile_dq_kernel<DB><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
+    tile_dkdv_kernel<DB><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
+  });
+  cuda::check_launch("sparse_attention tile backward");
+}
+
+}  // namespace hax::ops

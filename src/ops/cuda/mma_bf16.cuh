@@ -1,0 +1,140 @@
+// bfloat16 tensor-core fragments for flash-style attention tiles (mma.sync m16n8k16, float32
+// accumulation), shared by the causal attention kernels and the sparse attention tile kernels.
+//
+// Operand tiles sit in shared memory row-major with a row stride S (bfloat16 entries; S = head
+// dim + 8 keeps the fragment reads on 32 distinct banks). Fragments (PTX ISA, mma.m16n8k16,
+// g = lane / 4, t = lane % 4):
+//   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16 x 8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C (16 x 8, float):      c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+// The C fragments of two adjacent 8-column tiles are exactly the A fragment of a 16-wide k step,
+// so P (resp. dS) goes from the first product to the second in registers. A B operand stored with
+// k contiguous (K for S = Q K^T) is read 32 bits at a time; one stored with n contiguous (V for
+// O = P V) is assembled from two 16-bit reads.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace hax::ops::cuda::mma {
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ uint32_t ld32(const bf16* ptr) { return *reinterpret_cast<const uint32_t*>(ptr); }
+// Two bfloat16 from separate addresses in one register, `lo` in the low half.
+__device__ __forceinline__ uint32_t ld_pair(const bf16* lo, const bf16* hi) {
+  return (uint32_t)__bfloat16_as_ushort(*lo) | ((uint32_t)__bfloat16_as_ushort(*hi) << 16);
+}
+// Two floats rounded to bfloat16 in one register, `lo` in the low half (the lower k index).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(lo)) |
+         ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
+}
+
+// c += A B for one m16n8k16 tile.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A fragment of rows r0..r0+15, columns k0..k0+15 of the row-major tile X (row stride S).
+template <int S>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, int k0, int g, int t) {
+  const bf16* p = X + (r0 + g) * S + k0 + 2 * t;
+  a[0] = ld32(p);
+  a[1] = ld32(p + 8 * S);
+  a[2] = ld32(p + 8);
+  a[3] = ld32(p + 8 * S + 8);
+}
+
+// B fragment (k0..k0+15) x (n0..n0+7) of B = Y^T, Y row-major (n, k) with row stride S.
+template <int S>
+__device__ __forceinline__ void load_b_nk(uint32_t& b0, uint32_t& b1, const bf16* Y, int n0, int k0, int g, int t) {
+  const bf16* p = Y + (n0 + g) * S + k0 + 2 * t;
+  b0 = ld32(p);
+  b1 = ld32(p + 8);
+}
+
+// B fragment (k0..k0+15) x (n0..n0+7) of B = Y, Y row-major (k, n) with row stride S.
+template <int S>
+__device__ __forceinline__ void load_b_kn(uint32_t& b0, uint32_t& b1, const bf16* Y, int k0, int n0, int g, int t) {
+  const bf16* p = Y + (k0 + 2 * t) * S + n0 + g;
+  b0 = ld_pair(p, p + S);
+  b1 = ld_pair(p + 8 * S, p + 9 * S);
+}
+
+// The A fragment of k step kk (columns 16kk..16kk+15) from the C fragments of a (16, 8 NT) tile.
+template <int NT>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
+  a[0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S).
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, int g, int t) {
+#pragma unroll
+  for (int ks = 0; ks < DB / 16; ++ks) {
+    uint32_t a[4];
+    load_a<S>(a, X, r0, ks * 16, g, t);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint32_t b0, b1;
+      load_b_nk<S>(b0, b1, Y, nt * 8, ks * 16, g, t);
+      mma(s[nt], a, b0, b1);
+    }
+  }
+}
+
+// acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S).
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
+                                                int g, int t) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    uint32_t a[4];
+    c_to_a<NT>(a, pc, kk);
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt) {
+      uint32_t b0, b1;
+      load_b_kn<S>(b0, b1, Y, kk * 16, nt * 8, g, t);
+      mma(acc[nt], a, b0, b1);
+    }
+  }
+}
+
+// Max and sum over the 4 lanes of a fragment row (lanes 4g..4g+3).
+__device__ __forceinline__ float max4(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float sum4(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+}  // namespace hax::ops::cuda::mma
+
+// Runs `body` with `constexpr int DB` = the smallest of 16, 32, 64, 128 that holds both head dims
+// (the kernels pad D and Dv to DB with zeros).
+#define HAX_DISPATCH_HEAD_DIM(dmax, ...) \
+  do {                                          \
+    if ((dmax) <= 16) {                         \
+      constexpr int DB = 16;                    \
+      __VA_ARGS__();                            \
+    } else if ((dmax) <= 32) {                  \
+      constexpr int DB = 32;                    \
+      __VA_ARGS__();                            \
+    } else if ((dmax) <= 64) {                  \
+      constexpr int DB = 64;                    \
+      __VA_ARGS__();                            \
+    } else {                                    \
+      constexpr int DB = 128;                   \
+      __VA_ARGS__();                            \
+    }                                           \
+  } while (0)
