@@ -16,7 +16,10 @@
 // and the causal attention kernel; everything else is float32.
 #include "ops/attention/params.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
+
+#include <type_traits>
 
 namespace hax::ops {
 namespace {
@@ -133,42 +136,103 @@ __device__ __forceinline__ void block_delta(float* dl, const AttentionGradParams
   }
 }
 
-template <int DB>
+template <int DB, bool kAsync>
 struct Cfg {
   static constexpr int S = DB + 8;  // shared row stride (bfloat16 entries)
   static constexpr int DT = DB / 8;
-  static constexpr size_t fwd_smem = sizeof(bf16) * (kQ + 2 * kTK) * S;  // sQ, sK, sV
-  static constexpr size_t bwd_smem = sizeof(bf16) * (2 * kQ + 2 * kTK) * S;  // sQ, sdO, sK, sV
+  static constexpr int NB = kAsync ? 2 : 1;  // key-tile buffers
+  static constexpr size_t fwd_smem = sizeof(bf16) * (kQ + 2 * NB * kTK) * S;      // sQ, sK[NB], sV[NB]
+  static constexpr size_t bwd_smem = sizeof(bf16) * (2 * kQ + 2 * NB * kTK) * S;  // sQ, sdO, sK[NB], sV[NB]
 };
 
-// Per-CTA shared state of a block: query positions, the current tile's keys and biases.
+// Per-CTA shared state of a block: query positions; per buffer, the tile's keys, their biases in
+// log2 units and (dk/dv kernel) the block's mask words of the tile.
 struct BlockShared {
   int32_t rows[kQ];
-  int32_t keys[kTK];
-  float bias2[kTK];
+  int32_t keys[2][kTK];
+  float bias2[2][kTK];
+  unsigned long long mask[2][kQ];
 };
 
-// Loads tile tt of the block's union into bs.keys / bs.bias2.
-__device__ __forceinline__ void load_tile_keys(BlockShared& bs, const AttentionParams& p, const AttentionTilePlan& plan,
-                                               const Sizes& z, int64_t bh, int tt) {
-  const int32_t* keys = plan.keys + (int64_t)blockIdx.x * kU + tt * kTK;
-  const bf16* bias = p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr;
-  for (int c = threadIdx.x; c < kTK; c += kThreads) {
-    const int32_t j = keys[c];
-    bs.keys[c] = j;
-    bs.bias2[c] = bias && j >= 0 ? to_f32(bias[j]) * kLog2e : 0.f;
-  }
-}
+// The block's key tiles one after the other, in shared memory. kAsync (16-byte rows): the next
+// tile's rows are copied with cp.async into the other buffer while the current one is computed
+// on; otherwise each tile is loaded, then computed on. Use:
+//   ts.start(); for (tt...) { const int b = ts.begin(tt); ...K(b), V(b), bs.keys[b]...; ts.end(); }
+template <int S, bool kAsync>
+struct TileStream {
+  bf16* sK;                  // (NB, kTK, S)
+  bf16* sV;                  // (NB, kTK, S)
+  BlockShared& bs;
+  const int32_t* keys;       // the block's union (kU), -1 padded
+  const unsigned long long* mask;  // the block's mask words (kTiles, kQ)
+  const bf16* k;             // (Lk, sqk) rows of this (b, h)
+  const bf16* v;             // (Lk, sv)
+  const bf16* bias;          // (Lk) or null
+  int64_t sqk, sv;
+  int D, Dv, DB, ntiles;
+  bool vec_qk, vec_v, with_mask;
 
-template <int DB>
+  __device__ bf16* K(int b) const { return sK + b * kTK * S; }
+  __device__ bf16* V(int b) const { return sV + b * kTK * S; }
+
+  // Tile tt's keys, biases and mask words into buffer b (plain stores), and its rows (copies
+  // issued and committed when kAsync).
+  __device__ void stage(int tt, int b) {
+    for (int c = threadIdx.x; c < kTK; c += kThreads) {
+      const int32_t j = keys[tt * kTK + c];
+      bs.keys[b][c] = j;
+      bs.bias2[b][c] = bias && j >= 0 ? to_f32(bias[j]) * kLog2e : 0.f;
+    }
+    if (with_mask)
+      for (int c = threadIdx.x; c < kQ; c += kThreads) bs.mask[b][c] = mask[tt * kQ + c];
+    if constexpr (kAsync) {
+      const int32_t* kt = keys + tt * kTK;
+      auto pos = [&](int r) { return kt[r]; };
+      cuda::async_rows<S>(K(b), k, sqk, pos, kTK, D, DB);
+      cuda::async_rows<S>(V(b), v, sv, pos, kTK, Dv, DB);
+      cuda::cp_async_commit();
+    }
+  }
+  __device__ void start() {
+    if constexpr (kAsync) stage(0, 0);
+  }
+  // Makes tile tt ready in shared memory for every thread; returns its buffer.
+  __device__ int begin(int tt) {
+    if constexpr (kAsync) {
+      const int b = tt & 1;
+      if (tt + 1 < ntiles) {
+        stage(tt + 1, b ^ 1);  // the other buffer was last read before the previous end()
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
+      __syncthreads();
+      return b;
+    } else {
+      __syncthreads();  // the previous tile is read
+      stage(tt, 0);
+      __syncthreads();
+      gather_rows<S>(K(0), k, sqk, bs.keys[0], kTK, D, DB, vec_qk);
+      gather_rows<S>(V(0), v, sv, bs.keys[0], kTK, Dv, DB, vec_v);
+      __syncthreads();
+      return 0;
+    }
+  }
+  __device__ void end() {
+    if constexpr (kAsync) __syncthreads();  // the buffer is refilled by the next begin()
+  }
+};
+
+template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams p, AttentionTilePlan plan, Sizes z) {
-  constexpr int S = Cfg<DB>::S, DT = Cfg<DB>::DT;
+  using C = Cfg<DB, kAsync>;
+  constexpr int S = C::S, DT = C::DT;
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;  // the per-query kernels take this block
   extern __shared__ uint4 smem_u4[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
   bf16* sK = sQ + kQ * S;
-  bf16* sV = sK + kTK * S;
+  bf16* sV = sK + C::NB * kTK * S;
   __shared__ BlockShared bs;
   const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
@@ -186,23 +250,23 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
 
   float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int ntiles = (count + kTK - 1) / kTK;
+  TileStream<S, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+                           p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB, ntiles,
+                           z.vec_qk, z.vec_v, false};
+  ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
-    __syncthreads();  // the previous tile's keys, sK, sV are read
-    load_tile_keys(bs, p, plan, z, bh, tt);
-    __syncthreads();
-    gather_rows<S>(sK, k, sqk, bs.keys, kTK, z.D, DB, z.vec_qk);
-    gather_rows<S>(sV, v, sv, bs.keys, kTK, z.Dv, DB, z.vec_v);
     const unsigned long long bits[2] = {mask[tt * kQ + rr[0]], mask[tt * kQ + rr[1]]};
-    __syncthreads();
+    const int buf = ts.begin(tt);
+    const float* bias2 = bs.bias2[buf];
     float s[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
+    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf), g, t);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
-        s[nt][e] = (bits[r] >> c) & 1ull ? s[nt][e] * z.scale2 + bs.bias2[c] : -INFINITY;
+        s[nt][e] = (bits[r] >> c) & 1ull ? s[nt][e] * z.scale2 + bias2[c] : -INFINITY;
         mx[r] = fmaxf(mx[r], s[nt][e]);
       }
     float m_use[2], alpha[2];
@@ -225,7 +289,8 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
     for (int nt = 0; nt < DT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
-    warp_accumulate<DB, NT, S>(o, s, sV, g, t);
+    warp_accumulate<DB, NT, S>(o, s, ts.V(buf), g, t);
+    ts.end();
   }
 
   float inv[2];
@@ -244,10 +309,11 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
 }
 
 // dq of the block's queries: S = Q K^T, dP = dO V^T, dS = P (dP - Δ), dQ += dS K over the tiles.
-template <int DB>
+template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads)
     tile_dq_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
-  constexpr int S = Cfg<DB>::S, DT = Cfg<DB>::DT;
+  using C = Cfg<DB, kAsync>;
+  constexpr int S = C::S, DT = C::DT;
   const AttentionParams& p = gp.fwd;
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;
@@ -255,7 +321,7 @@ __global__ void __launch_bounds__(kThreads)
   bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
   bf16* sdO = sQ + kQ * S;
   bf16* sK = sdO + kQ * S;
-  bf16* sV = sK + kTK * S;
+  bf16* sV = sK + C::NB * kTK * S;
   __shared__ BlockShared bs;
   const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
@@ -286,26 +352,27 @@ __global__ void __launch_bounds__(kThreads)
 
   float acc[DT][4] = {};
   const int ntiles = (count + kTK - 1) / kTK;
+  TileStream<S, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+                           p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB, ntiles,
+                           z.vec_qk, z.vec_v, false};
+  ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
-    __syncthreads();
-    load_tile_keys(bs, p, plan, z, bh, tt);
-    __syncthreads();
-    gather_rows<S>(sK, k, sqk, bs.keys, kTK, z.D, DB, z.vec_qk);
-    gather_rows<S>(sV, v, sv, bs.keys, kTK, z.Dv, DB, z.vec_v);
     const unsigned long long bits[2] = {mask[tt * kQ + rr[0]], mask[tt * kQ + rr[1]]};
-    __syncthreads();
+    const int buf = ts.begin(tt);
+    const float* bias2 = bs.bias2[buf];
     float s[NT][4] = {}, dp[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
-    warp_dot<DB, NT, S>(dp, sdO, r0, sV, g, t);
+    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf), g, t);
+    warp_dot<DB, NT, S>(dp, sdO, r0, ts.V(buf), g, t);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
-        const float pr = (bits[r] >> c) & 1ull ? exp2f(s[nt][e] * z.scale2 + bs.bias2[c] - lse2[r]) : 0.f;
+        const float pr = (bits[r] >> c) & 1ull ? exp2f(s[nt][e] * z.scale2 + bias2[c] - lse2[r]) : 0.f;
         s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
       }
-    warp_accumulate<DB, NT, S>(acc, s, sK, g, t);  // dQ += dS K
+    warp_accumulate<DB, NT, S>(acc, s, ts.K(buf), g, t);  // dQ += dS K
+    ts.end();
   }
   const float scale[2] = {z.scale, z.scale};
   store_rows_at<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.D, t);
@@ -313,10 +380,11 @@ __global__ void __launch_bounds__(kThreads)
 
 // dk, dv, dbias contributions of the block: per tile, keys as rows and the block's queries as
 // columns: S^T = K Q^T, dP^T = V dO^T, dV = P^T dO, dK = dS^T Q, dbias = row sums of dS^T.
-template <int DB>
+template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads)
     tile_dkdv_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
-  constexpr int S = Cfg<DB>::S, DT = Cfg<DB>::DT;
+  using C = Cfg<DB, kAsync>;
+  constexpr int S = C::S, DT = C::DT;
   const AttentionParams& p = gp.fwd;
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;
@@ -324,10 +392,9 @@ __global__ void __launch_bounds__(kThreads)
   bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
   bf16* sdO = sQ + kQ * S;
   bf16* sK = sdO + kQ * S;
-  bf16* sV = sK + kTK * S;
+  bf16* sV = sK + C::NB * kTK * S;
   __shared__ BlockShared bs;
   __shared__ float sLse2[kQ], sDl[kQ];
-  __shared__ unsigned long long sMask[kQ];
   const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
   const int64_t sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
@@ -354,25 +421,25 @@ __global__ void __launch_bounds__(kThreads)
   const bool pairs_k = z.D % 2 == 0, pairs_v = z.Dv % 2 == 0;
 
   const int ntiles = (count + kTK - 1) / kTK;
+  TileStream<S, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+                           p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB, ntiles,
+                           z.vec_qk, z.vec_v, true};
+  ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
-    __syncthreads();
-    load_tile_keys(bs, p, plan, z, bh, tt);
-    for (int c = threadIdx.x; c < kQ; c += kThreads) sMask[c] = mask[tt * kQ + c];
-    __syncthreads();
-    gather_rows<S>(sK, k, sqk, bs.keys, kTK, z.D, DB, z.vec_qk);
-    gather_rows<S>(sV, v, sv, bs.keys, kTK, z.Dv, DB, z.vec_v);
-    __syncthreads();
+    const int buf = ts.begin(tt);
+    const unsigned long long* sMask = bs.mask[buf];
+    const float* bias2 = bs.bias2[buf];
     const int kr[2] = {r0 + g, r0 + g + 8};  // the thread's two key rows of the tile
     float st[NT][4] = {}, dpt[NT][4] = {}, db[2] = {0.f, 0.f};
-    warp_dot<DB, NT, S>(st, sK, r0, sQ, g, t);
-    warp_dot<DB, NT, S>(dpt, sV, r0, sdO, g, t);
+    warp_dot<DB, NT, S>(st, ts.K(buf), r0, sQ, g, t);
+    warp_dot<DB, NT, S>(dpt, ts.V(buf), r0, sdO, g, t);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
         const float pr =
-            (sMask[c] >> kr[r]) & 1ull ? exp2f(st[nt][e] * z.scale2 + bs.bias2[kr[r]] - sLse2[c]) : 0.f;
+            (sMask[c] >> kr[r]) & 1ull ? exp2f(st[nt][e] * z.scale2 + bias2[kr[r]] - sLse2[c]) : 0.f;
         st[nt][e] = pr;
         dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
         db[r] += dpt[nt][e];
@@ -383,12 +450,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float dbr = sum4(db[r]);
-      const int j = bs.keys[kr[r]];
+      const int j = bs.keys[buf][kr[r]];
       if (j < 0) continue;
       atomic_add_row<DB>(dk_acc + (int64_t)j * sqk, dk, r, z.scale, z.D, t, pairs_k);
       atomic_add_row<DB>(dv_acc + (int64_t)j * sv, dv, r, 1.f, z.Dv, t, pairs_v);
       if (db_acc && t == 0) atomicAdd(db_acc + j, dbr);
     }
+    ts.end();
   }
 }
 
@@ -415,9 +483,14 @@ void sparse_attention_tile_forward_cuda(const AttentionParams& p, const Attentio
   const int64_t grid = p.batch * p.nheads * z.nblk;
   if (grid == 0) return;
   HAX_DISPATCH_HEAD_DIM(p.dim > p.vdim ? p.dim : p.vdim, [&] {
-    constexpr size_t smem = Cfg<DB>::fwd_smem;
-    cuda::allow_smem(tile_forward_kernel<DB>, smem, "sparse_attention tile forward");
-    tile_forward_kernel<DB><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(p, plan, z);
+    auto launch = [&](auto async) {
+      constexpr bool kA = decltype(async)::value;
+      constexpr size_t smem = Cfg<DB, kA>::fwd_smem;
+      cuda::allow_smem(tile_forward_kernel<DB, kA>, smem, "sparse_attention tile forward");
+      tile_forward_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(p, plan, z);
+    };
+    if (z.vec_qk && z.vec_v) launch(std::true_type{});
+    else launch(std::false_type{});
   });
   cuda::check_launch("sparse_attention tile forward");
 }
@@ -427,11 +500,16 @@ void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const At
   const int64_t grid = gp.fwd.batch * gp.fwd.nheads * z.nblk;
   if (grid == 0) return;
   HAX_DISPATCH_HEAD_DIM(gp.fwd.dim > gp.fwd.vdim ? gp.fwd.dim : gp.fwd.vdim, [&] {
-    constexpr size_t smem = Cfg<DB>::bwd_smem;
-    cuda::allow_smem(tile_dq_kernel<DB>, smem, "sparse_attention tile backward");
-    cuda::allow_smem(tile_dkdv_kernel<DB>, smem, "sparse_attention tile backward");
-    tile_dq_kernel<DB><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
-    tile_dkdv_kernel<DB><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
+    auto launch = [&](auto async) {
+      constexpr bool kA = decltype(async)::value;
+      constexpr size_t smem = Cfg<DB, kA>::bwd_smem;
+      cuda::allow_smem(tile_dq_kernel<DB, kA>, smem, "sparse_attention tile backward");
+      cuda::allow_smem(tile_dkdv_kernel<DB, kA>, smem, "sparse_attention tile backward");
+      tile_dq_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
+      tile_dkdv_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
+    };
+    if (z.vec_qk && z.vec_v) launch(std::true_type{});
+    else launch(std::false_type{});
   });
   cuda::check_launch("sparse_attention tile backward");
 }

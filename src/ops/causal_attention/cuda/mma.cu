@@ -23,9 +23,11 @@
 // No atomics: each gradient entry is accumulated by one thread in a fixed order.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/causal_attention/cuda/kernels.cuh"
 #include "ops/causal_attention/cuda/tiles.cuh"
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
 
 namespace hax::ops::causal_cuda {
@@ -63,19 +65,23 @@ __device__ __forceinline__ void store_rows(bf16* dst, int64_t stride, const floa
   }
 }
 
-template <int DB>
+// kAsync (16-byte rows: head dims multiples of 8, aligned tensors): the next column tile is
+// copied with cp.async into a second buffer while the current one is computed on; otherwise each
+// tile is loaded, then computed on.
+template <int DB, bool kAsync>
 struct FwdCfg {
-  static constexpr int BN = 64, S = DB + 8;
-  static constexpr size_t smem = sizeof(bf16) * (kRows + 2 * BN) * S;  // sQ, sK, sV
+  static constexpr int BN = 64, S = DB + 8, NB = kAsync ? 2 : 1;
+  static constexpr size_t smem = sizeof(bf16) * (kRows + 2 * NB * BN) * S;  // sQ, sK[NB], sV[NB]
 };
 
-template <int DB>
+template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec) {
-  constexpr int BN = FwdCfg<DB>::BN, S = FwdCfg<DB>::S, NT = BN / 8, DT = DB / 8;
+  using Cfg = FwdCfg<DB, kAsync>;
+  constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
   extern __shared__ uint4 smem_u4[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
-  bf16* sK = sQ + kRows * S;
-  bf16* sV = sK + BN * S;
+  bf16* sK0 = sQ + kRows * S;
+  bf16* sV0 = sK0 + Cfg::NB * BN * S;
   const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
   const int bh = bh_of(dm), b = bh / H, h = bh % H, i0 = tile_of(dm, true) * kRows;
   const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
@@ -90,15 +96,40 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
 #pragma unroll
   for (int r = 0; r < 2; ++r) lo[r] = row[r] < L ? first_key(seq, dm.W, row[r]) : INT_MAX;
   const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
-  load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
+  // Tile kt's keys and values into buffer b (asynchronous path).
+  auto issue = [&](int kt, int b) {
+    const int j0 = kt * BN;
+    auto pos = [&](int r) { return j0 + r < L ? j0 + r : -1; };
+    cuda::async_rows<S>(sK0 + b * BN * S, k, sqk, pos, BN, dm.D, DB);
+    cuda::async_rows<S>(sV0 + b * BN * S, v, sv, pos, BN, dm.Dv, DB);
+    cuda::cp_async_commit();
+  };
+  if constexpr (kAsync) {
+    cuda::async_rows<S>(sQ, q, sqk, [&](int r) { return i0 + r < L ? i0 + r : -1; }, kRows, dm.D, DB);
+    issue(kt_begin, 0);  // one group with sQ
+  } else {
+    load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
+  }
 
   float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   for (int kt = kt_begin; kt <= kt_end; ++kt) {
-    const int j0 = kt * BN;
-    __syncthreads();  // the previous tile's sK, sV are read
-    load_rows_bf16(sK, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
-    load_rows_bf16(sV, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
-    __syncthreads();
+    const int j0 = kt * BN, buf = kAsync ? (kt - kt_begin) & 1 : 0;
+    const bf16* sK = sK0 + buf * BN * S;
+    const bf16* sV = sV0 + buf * BN * S;
+    if constexpr (kAsync) {
+      if (kt < kt_end) {
+        issue(kt + 1, buf ^ 1);  // the other buffer was last read before the previous barrier
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();  // the previous tile's sK, sV are read
+      load_rows_bf16(sK0, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
+      load_rows_bf16(sV0, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
+      __syncthreads();
+    }
     float s[NT][4] = {};
     warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
     float mx[2] = {-INFINITY, -INFINITY};
@@ -131,6 +162,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
     warp_accumulate<DB, NT, S>(o, s, sV, g, t);
+    if constexpr (kAsync) __syncthreads();  // this buffer is refilled by the next iteration's issue
   }
 
   float inv[2];
@@ -146,21 +178,22 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
     if (t == 0 && row[r] < L) lse[row[r]] = m[r] * kLn2 + logf(l[r]);
 }
 
-template <int DB>
+template <int DB, bool kAsync>
 struct DqCfg {
-  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8;
-  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * BN) * S;  // sQ, sdO, sK, sV
+  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8, NB = kAsync ? 2 : 1;
+  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * NB * BN) * S;  // sQ, sdO, sK[NB], sV[NB]
 };
 
-template <int DB>
+template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
-  constexpr int BN = DqCfg<DB>::BN, S = DqCfg<DB>::S, NT = BN / 8, DT = DB / 8;
+  using Cfg = DqCfg<DB, kAsync>;
+  constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
   bf16* sdO = sQ + kRows * S;
-  bf16* sK = sdO + kRows * S;
-  bf16* sV = sK + BN * S;
+  bf16* sK0 = sdO + kRows * S;
+  bf16* sV0 = sK0 + Cfg::NB * BN * S;
   const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
   const int bh = bh_of(dm), b = bh / H, h = bh % H, i0 = tile_of(dm, true) * kRows;
   const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
@@ -184,16 +217,42 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
     dl[r] = in ? delta[row[r]] : 0.f;
   }
   const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
-  load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
-  load_rows_bf16(sdO, S, dout, sv, i0, kRows, L, dm.Dv, DB, vec.v);
+  auto issue = [&](int kt, int b) {
+    const int j0 = kt * BN;
+    auto pos = [&](int r) { return j0 + r < L ? j0 + r : -1; };
+    cuda::async_rows<S>(sK0 + b * BN * S, k, sqk, pos, BN, dm.D, DB);
+    cuda::async_rows<S>(sV0 + b * BN * S, v, sv, pos, BN, dm.Dv, DB);
+    cuda::cp_async_commit();
+  };
+  if constexpr (kAsync) {
+    auto qpos = [&](int r) { return i0 + r < L ? i0 + r : -1; };
+    cuda::async_rows<S>(sQ, q, sqk, qpos, kRows, dm.D, DB);
+    cuda::async_rows<S>(sdO, dout, sv, qpos, kRows, dm.Dv, DB);
+    issue(kt_begin, 0);
+  } else {
+    load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
+    load_rows_bf16(sdO, S, dout, sv, i0, kRows, L, dm.Dv, DB, vec.v);
+  }
 
   float acc[DT][4] = {};
   for (int kt = kt_begin; kt <= kt_end; ++kt) {
-    const int j0 = kt * BN;
-    __syncthreads();
-    load_rows_bf16(sK, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
-    load_rows_bf16(sV, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
-    __syncthreads();
+    const int j0 = kt * BN, buf = kAsync ? (kt - kt_begin) & 1 : 0;
+    const bf16* sK = sK0 + buf * BN * S;
+    const bf16* sV = sV0 + buf * BN * S;
+    if constexpr (kAsync) {
+      if (kt < kt_end) {
+        issue(kt + 1, buf ^ 1);
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();
+      load_rows_bf16(sK0, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
+      load_rows_bf16(sV0, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
+      __syncthreads();
+    }
     float s[NT][4] = {}, dp[NT][4] = {};
     warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
     warp_dot<DB, NT, S>(dp, sdO, r0, sV, g, t);
@@ -206,28 +265,30 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
         s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
       }
     warp_accumulate<DB, NT, S>(acc, s, sK, g, t);  // dQ += dS K
+    if constexpr (kAsync) __syncthreads();
   }
   const float scale[2] = {(float)p.scale, (float)p.scale};
   store_rows<DB>((bf16*)gp.dq + off_qk, sqk, acc, row, scale, L, dm.D, t);
 }
 
-template <int DB>
+template <int DB, bool kAsync>
 struct DkdvCfg {
-  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8;  // BN queries per step
-  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * BN) * S + sizeof(float) * 2 * BN;
+  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8, NB = kAsync ? 2 : 1;  // BN queries per step
+  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * NB * BN) * S + sizeof(float) * 2 * NB * BN;
 };
 
-template <int DB>
+template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
-  constexpr int BN = DkdvCfg<DB>::BN, S = DkdvCfg<DB>::S, NT = BN / 8, DT = DB / 8;
+  using Cfg = DkdvCfg<DB, kAsync>;
+  constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
   bf16* sK = reinterpret_cast<bf16*>(smem_u4);
   bf16* sV = sK + kRows * S;
-  bf16* sQ = sV + kRows * S;
-  bf16* sdO = sQ + BN * S;
-  float* sLse2 = reinterpret_cast<float*>(sdO + BN * S);  // 16-byte aligned: S is a multiple of 8
-  float* sDl = sLse2 + BN;
+  bf16* sQ0 = sV + kRows * S;
+  bf16* sdO0 = sQ0 + Cfg::NB * BN * S;
+  float* sLse20 = reinterpret_cast<float*>(sdO0 + Cfg::NB * BN * S);  // 16-byte aligned: S is a multiple of 8
+  float* sDl0 = sLse20 + Cfg::NB * BN;
   const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
   const int bh = bh_of(dm), b = bh / H, h = bh % H, j0 = tile_of(dm, false) * kRows;
   const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
@@ -245,21 +306,54 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
 #pragma unroll
   for (int r = 0; r < 2; ++r) hi[r] = row[r] < L ? last_query(seq, L, dm.W, row[r]) : -1;
   const int qt_begin = j0 / BN, qt_end = last_query(seq, L, dm.W, min(j0 + kRows - 1, L - 1)) / BN;
-  load_rows_bf16(sK, S, k, sqk, j0, kRows, L, dm.D, DB, vec.qk);
-  load_rows_bf16(sV, S, v, sv, j0, kRows, L, dm.Dv, DB, vec.v);
+  // Query tile qt's rows, lse and Δ into buffer b (the copies asynchronous when kAsync).
+  auto stage = [&](int qt, int b) {
+    const int i0 = qt * BN;
+    if constexpr (kAsync) {
+      auto pos = [&](int r) { return i0 + r < L ? i0 + r : -1; };
+      cuda::async_rows<S>(sQ0 + b * BN * S, q, sqk, pos, BN, dm.D, DB);
+      cuda::async_rows<S>(sdO0 + b * BN * S, dout, sv, pos, BN, dm.Dv, DB);
+    } else {
+      load_rows_bf16(sQ0, S, q, sqk, i0, BN, L, dm.D, DB, vec.qk);
+      load_rows_bf16(sdO0, S, dout, sv, i0, BN, L, dm.Dv, DB, vec.v);
+    }
+    for (int c = threadIdx.x; c < BN; c += kThreads) {
+      const int i = i0 + c;
+      sLse20[b * BN + c] = i < L ? lse[i] * kLog2e : 0.f;
+      sDl0[b * BN + c] = i < L ? delta[i] : 0.f;
+    }
+    if constexpr (kAsync) cuda::cp_async_commit();
+  };
+  if constexpr (kAsync) {
+    auto kpos = [&](int r) { return j0 + r < L ? j0 + r : -1; };
+    cuda::async_rows<S>(sK, k, sqk, kpos, kRows, dm.D, DB);
+    cuda::async_rows<S>(sV, v, sv, kpos, kRows, dm.Dv, DB);
+    stage(qt_begin, 0);
+  } else {
+    load_rows_bf16(sK, S, k, sqk, j0, kRows, L, dm.D, DB, vec.qk);
+    load_rows_bf16(sV, S, v, sv, j0, kRows, L, dm.Dv, DB, vec.v);
+  }
 
   float dk[DT][4] = {}, dv[DT][4] = {};
   for (int qt = qt_begin; qt <= qt_end; ++qt) {
-    const int i0 = qt * BN;
-    __syncthreads();  // the previous tile's sQ, sdO, sLse2, sDl are read
-    load_rows_bf16(sQ, S, q, sqk, i0, BN, L, dm.D, DB, vec.qk);
-    load_rows_bf16(sdO, S, dout, sv, i0, BN, L, dm.Dv, DB, vec.v);
-    for (int c = threadIdx.x; c < BN; c += kThreads) {
-      const int i = i0 + c;
-      sLse2[c] = i < L ? lse[i] * kLog2e : 0.f;
-      sDl[c] = i < L ? delta[i] : 0.f;
+    const int i0 = qt * BN, buf = kAsync ? (qt - qt_begin) & 1 : 0;
+    const bf16* sQ = sQ0 + buf * BN * S;
+    const bf16* sdO = sdO0 + buf * BN * S;
+    const float* sLse2 = sLse20 + buf * BN;
+    const float* sDl = sDl0 + buf * BN;
+    if constexpr (kAsync) {
+      if (qt < qt_end) {
+        stage(qt + 1, buf ^ 1);
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();  // the previous tile's sQ, sdO, sLse2, sDl are read
+      stage(qt, 0);
+      __syncthreads();
     }
-    __syncthreads();
     float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
     warp_dot<DB, NT, S>(st, sK, r0, sQ, g, t);
     warp_dot<DB, NT, S>(dpt, sV, r0, sdO, g, t);
@@ -274,6 +368,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
       }
     warp_accumulate<DB, NT, S>(dv, st, sdO, g, t);  // dV += P^T dO
     warp_accumulate<DB, NT, S>(dk, dpt, sQ, g, t);  // dK += dS^T Q
+    if constexpr (kAsync) __syncthreads();
   }
   const float scale[2] = {(float)p.scale, (float)p.scale}, one[2] = {1.f, 1.f};
   store_rows<DB>((bf16*)gp.dk + off_qk, sqk, dk, row, scale, L, dm.D, t);
@@ -294,9 +389,14 @@ void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
   const unsigned grid = grid_size(dm);
   const VecLoads vec = vec_loads(p, nullptr);
   HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
-    constexpr size_t smem = FwdCfg<DB>::smem;
-    allow_smem(forward_kernel<DB>, smem, "causal_attention_forward_cuda");
-    forward_kernel<DB><<<grid, kThreads, smem, stream>>>(p, dm, vec);
+    auto launch = [&](auto async) {
+      constexpr bool kA = decltype(async)::value;
+      constexpr size_t smem = FwdCfg<DB, kA>::smem;
+      allow_smem(forward_kernel<DB, kA>, smem, "causal_attention_forward_cuda");
+      forward_kernel<DB, kA><<<grid, kThreads, smem, stream>>>(p, dm, vec);
+    };
+    if (vec.qk && vec.v) launch(std::true_type{});
+    else launch(std::false_type{});
   });
   cuda::check_launch("causal_attention_forward_cuda (tensor cores)");
 }
@@ -306,11 +406,16 @@ void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
   const unsigned grid = grid_size(dm);
   const VecLoads vec = vec_loads(gp.fwd, gp.dout);
   HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
-    constexpr size_t smem_q = DqCfg<DB>::smem, smem_kv = DkdvCfg<DB>::smem;
-    allow_smem(dq_kernel<DB>, smem_q, "causal_attention_backward_cuda");
-    allow_smem(dkdv_kernel<DB>, smem_kv, "causal_attention_backward_cuda");
-    dq_kernel<DB><<<grid, kThreads, smem_q, stream>>>(gp, dm, vec);
-    dkdv_kernel<DB><<<grid, kThreads, smem_kv, stream>>>(gp, dm, vec);
+    auto launch = [&](auto async) {
+      constexpr bool kA = decltype(async)::value;
+      constexpr size_t smem_q = DqCfg<DB, kA>::smem, smem_kv = DkdvCfg<DB, kA>::smem;
+      allow_smem(dq_kernel<DB, kA>, smem_q, "causal_attention_backward_cuda");
+      allow_smem(dkdv_kernel<DB, kA>, smem_kv, "causal_attention_backward_cuda");
+      dq_kernel<DB, kA><<<grid, kThreads, smem_q, stream>>>(gp, dm, vec);
+      dkdv_kernel<DB, kA><<<grid, kThreads, smem_kv, stream>>>(gp, dm, vec);
+    };
+    if (vec.qk && vec.v) launch(std::true_type{});
+    else launch(std::false_type{});
   });
   cuda::check_launch("causal_attention_backward_cuda (tensor cores)");
 }

@@ -1,0 +1,38 @@
+// Asynchronous global -> shared copies (cp.async, sm_80 and later): 16 bytes per instruction,
+// zero-filled when the source lies outside the tensor, completing in commit groups, so that a
+// kernel loads its next tile while it computes on the current one (double buffering).
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace hax::ops::cuda {
+
+// Copies 16 bytes from src to the shared address dst, or writes 16 zero bytes when !valid (src is
+// then not read, but must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Issues the copies of rows pos(r), r < nrows, of a bfloat16 (positions, stride) array into the
+// shared tile dst (nrows, S): columns < nvalid (a multiple of 8), zeros up to ncols (a multiple
+// of 8); a row with pos(r) < 0 is all zeros. Every thread of the block takes part.
+template <int S, class Pos>
+__device__ __forceinline__ void async_rows(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride, Pos pos,
+                                           int nrows, int nvalid, int ncols) {
+  const int chunks = ncols / 8;
+  for (int x = threadIdx.x; x < nrows * chunks; x += blockDim.x) {
+    const int r = x / chunks, c = (x % chunks) * 8, i = pos(r);
+    const bool ok = i >= 0 && c < nvalid;
+    cp_async16(dst + r * S + c, ok ? src + (int64_t)i * stride + c : src, ok);
+  }
+}
+
+}  // namespace hax::ops::cuda
