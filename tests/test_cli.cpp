@@ -129,6 +129,15 @@ TEST(Cli, TrainThenEvalAgreeOnTestAccuracy) {
   auto ej = nlohmann::json::parse(slurp(dir + "/e.json"));
   EXPECT_DOUBLE_EQ(ej["accuracy"].get<double>(), summary["test_acc"].get<double>());
   EXPECT_EQ(ej["samples"], 16);
+  // --device auto: the GPU where there is one (the same accuracy up to a sample whose argmax a
+  // rounding difference flips), else the CPU; an unknown device is a clear error.
+  CliResult ea = run_hax({"eval", "--checkpoint", dir + "/run/checkpoints/best.safetensors", "--device", "auto",
+                          "--json", dir + "/ea.json"});
+  ASSERT_EQ(ea.status, 0) << ea.err;
+  auto eaj = nlohmann::json::parse(slurp(dir + "/ea.json"));
+  EXPECT_NEAR(eaj["accuracy"].get<double>(), summary["test_acc"].get<double>(), 1.0 / 16 + 1e-12);
+  expect_cli_error({"eval", "--checkpoint", dir + "/run/checkpoints/best.safetensors", "--device", "tpu"},
+                   "--device tpu is unknown");
   // The resolved config reproduces the run's settings when read back.
   CliResult i = run_hax({"info", "--config", dir + "/run/config.toml"});
   ASSERT_EQ(i.status, 0) << i.err;

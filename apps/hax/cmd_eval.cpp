@@ -9,6 +9,7 @@
 #include "commands.h"
 #include "config_file.h"
 #include "core/atomic_file.h"
+#include "core/device.h"
 #include "core/error.h"
 #include "core/threads.h"
 #include "eval/evaluator.h"
@@ -31,6 +32,7 @@ struct EvalState {
   std::string lengths, depths, svg;
   int64_t max_batch_tokens = 65536;
   int64_t seed = -1;
+  std::string device = "cpu";  // where the model runs: cpu, cuda, cuda:N or auto
 };
 
 // The length grid of one checkpoint (hax eval --lengths).
@@ -54,8 +56,11 @@ int run_length_eval(const EvalState& st, const Checkpoint& ck, const TrainConfig
       length_eval_task(task, L, d);  // every cell valid before the model is built
   LanguageModel model(ck.meta.model);
   load_weights(model, ck, st.checkpoint);
-  fmt::print("checkpoint {} (step {}), task {}: {} samples per cell, seed {}, {} thread(s)\n", st.checkpoint,
-             ck.meta.step, task.name, cfg.n, cfg.seed, at::get_num_threads());
+  const at::Device device = resolve_device(st.device);
+  model.to(device);
+  fmt::print("checkpoint {} (step {}), task {}: {} samples per cell, seed {}, on {}{}\n", st.checkpoint,
+             ck.meta.step, task.name, cfg.n, cfg.seed, device.str(),
+             device.is_cpu() ? fmt::format(", {} thread(s)", at::get_num_threads()) : std::string());
   std::fflush(stdout);
   LengthEvalGrid grid = length_eval(model, task, cfg, [](const LengthEvalCell& c) {
     fmt::print("  length {}{}: {:.1f}% (loss {:.4f}) in {:.1f}s, batch {}{}\n", c.length,
@@ -106,6 +111,8 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--seed", st->seed,
                   "with --lengths: seed of the grid's samples (default: derived from the checkpoint's training seed)")
       ->group(g);
+  sub->add_option("--device", st->device,
+                  "cpu, cuda (cuda:N) or auto (cuda when a GPU is present); checkpoints are device-free");
   add_threads_option(sub, &st->threads);
   Command c;
   c.app = sub;
@@ -131,6 +138,7 @@ Command add_eval_command(CLI::App& app) {
     tc.pack_len = tj.value("pack_len", tc.pack_len);
     LanguageModel model(ck.meta.model);
     load_weights(model, ck, st->checkpoint);
+    model.to(resolve_device(st->device));
     auto task = make_task(ck.meta.task);
     // Only the samples evaluated are kept (the first --n of the split).
     const bool valid = st->split == "valid";
