@@ -118,6 +118,35 @@ __device__ __forceinline__ float sum4(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// One online-softmax step over a tile for the thread's two rows (r = 0, 1: fragment rows g, g+8):
+// s holds the tile's scores in log2 units (masked entries -inf) and mx the thread's per-row max of
+// them. Updates the running max m and sum l (the thread's partial sum, reduced over the row's 4
+// lanes at the end), rescales the accumulator o, and turns s into exp2(s - max).
+template <int NT, int DT>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], const float (&mx)[2], float (&m)[2],
+                                                    float (&l)[2], float (&o)[DT][4]) {
+  float m_use[2], alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], max4(mx[r]));
+    m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet
+    alpha[r] = exp2f(m[r] - m_use[r]);
+    m[r] = m_new;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
+      l[e / 2] += s[nt][e];
+    }
+#pragma unroll
+  for (int nt = 0; nt < DT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
+}
+
 }  // namespace hax::ops::cuda::mma
 
 // Runs `body` with `constexpr int DB` = the smallest of 16, 32, 64, 128 that holds both head dims

@@ -269,26 +269,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
         s[nt][e] = (bits[r] >> c) & 1ull ? s[nt][e] * z.scale2 + bias2[c] : -INFINITY;
         mx[r] = fmaxf(mx[r], s[nt][e]);
       }
-    float m_use[2], alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m[r], max4(mx[r]));
-      m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // no listed key yet
-      alpha[r] = exp2f(m[r] - m_use[r]);
-      m[r] = m_new;
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
-        l[e / 2] += s[nt][e];
-      }
-#pragma unroll
-    for (int nt = 0; nt < DT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
+    online_softmax_step<NT, DT>(s, mx, m, l, o);  // a query with no listed key yet keeps m = -inf
     warp_accumulate<DB, NT, S>(o, s, ts.V(buf), g, t);
     ts.end();
   }
@@ -306,6 +287,20 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
 #pragma unroll
   for (int r = 0; r < 2; ++r)
     if (t == 0 && row[r] >= 0) lse[row[r]] = l[r] > 0.f ? m[r] * kLn2 + logf(l[r]) : -INFINITY;
+}
+
+// Both backward kernels' start: the block's query rows into bs.rows, their q and dout rows into
+// sQ and sdO (kQ rows each).
+template <int S, int DB>
+__device__ __forceinline__ void load_block_q_do(bf16* sQ, bf16* sdO, BlockShared& bs, const AttentionGradParams& gp,
+                                                const Sizes& z, int64_t bh, int64_t blk) {
+  const int64_t b = bh / z.H, h = bh % z.H;
+  block_queries(bs.rows, gp.fwd, z, bh, blk);
+  __syncthreads();
+  gather_rows<S>(sQ, (const bf16*)gp.fwd.q + (b * z.L * z.H + h) * z.D, (int64_t)z.H * z.D, bs.rows, kQ, z.D, DB,
+                 z.vec_qk);
+  gather_rows<S>(sdO, (const bf16*)gp.dout + (b * z.L * z.H + h) * z.Dv, (int64_t)z.H * z.Dv, bs.rows, kQ, z.Dv, DB,
+                 z.vec_v);
 }
 
 // dq of the block's queries: S = Q K^T, dP = dO V^T, dS = P (dP - Δ), dQ += dS K over the tiles.
@@ -326,16 +321,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
   const int64_t sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
-  const int64_t off_q = ((int64_t)b * z.L * z.H + h) * z.D, off_o = ((int64_t)b * z.L * z.H + h) * z.Dv;
+  const int64_t off_q = ((int64_t)b * z.L * z.H + h) * z.D;
   const bf16* k = (const bf16*)p.k + ((int64_t)b * z.Lk * z.H + h) * z.D;
   const bf16* v = (const bf16*)p.v + ((int64_t)b * z.Lk * z.H + h) * z.Dv;
   const unsigned long long* mask =
       reinterpret_cast<const unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
 
-  block_queries(bs.rows, p, z, bh, blk);
-  __syncthreads();
-  gather_rows<S>(sQ, (const bf16*)p.q + off_q, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
-  gather_rows<S>(sdO, (const bf16*)gp.dout + off_o, sv, bs.rows, kQ, z.Dv, DB, z.vec_v);
+  load_block_q_do<S, DB>(sQ, sdO, bs, gp, z, bh, blk);
   __shared__ float sDl[kQ];
   block_delta(sDl, gp, z, bs.rows, b, h, bh);
   __syncthreads();
@@ -407,11 +399,7 @@ __global__ void __launch_bounds__(kThreads)
   float* dv_acc = (float*)gp.dv + off_v;
   float* db_acc = gp.dbias ? (float*)gp.dbias + bh * z.Lk : nullptr;
 
-  block_queries(bs.rows, p, z, bh, blk);
-  __syncthreads();
-  gather_rows<S>(sQ, (const bf16*)p.q + ((int64_t)b * z.L * z.H + h) * z.D, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
-  gather_rows<S>(sdO, (const bf16*)gp.dout + ((int64_t)b * z.L * z.H + h) * z.Dv, sv, bs.rows, kQ, z.Dv, DB,
-                 z.vec_v);
+  load_block_q_do<S, DB>(sQ, sdO, bs, gp, z, bh, blk);
   for (int c = threadIdx.x; c < kQ; c += kThreads) {
     const int i = bs.rows[c];
     const float lse = i >= 0 ? ((const float*)p.lse)[bh * z.L + i] : -INFINITY;

@@ -141,26 +141,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
         s[nt][e] = (j <= row[r] && j >= lo[r]) ? s[nt][e] * dm.scale2 : -INFINITY;
         mx[r] = fmaxf(mx[r], s[nt][e]);
       }
-    float m_use[2], alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m[r], max4(mx[r]));
-      m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
-      alpha[r] = exp2f(m[r] - m_use[r]);
-      m[r] = m_new;
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
-        l[e / 2] += s[nt][e];
-      }
-#pragma unroll
-    for (int nt = 0; nt < DT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
+    online_softmax_step<NT, DT>(s, mx, m, l, o);
     warp_accumulate<DB, NT, S>(o, s, sV, g, t);
     if constexpr (kAsync) __syncthreads();  // this buffer is refilled by the next iteration's issue
   }
