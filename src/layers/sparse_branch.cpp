@@ -37,11 +37,10 @@ at::Tensor SparseAttentionBranch::lsh_projection(const ForwardContext* ctx) cons
   return patterns::lsh_projection(N_, bits_, derive_seed(ctx ? ctx->seed : 0, 0x15A, (uint64_t)layer_));
 }
 
-std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tensor& q, const at::Tensor& k,
-                                                                  const at::Tensor& seq_idx, const ForwardContext* ctx,
-                                                                  at::Tensor* ks_scores) {
+patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                                                    const ForwardContext* ctx, at::Tensor* ks_scores) {
   const int64_t B = q.size(0), L = q.size(1);
-  std::vector<patterns::KeyLists> out;
+  patterns::KeyLists all;
   for (const auto& part : parts_) {
     patterns::KeyLists p;
     if (part == "sw") p = patterns::sliding_window(B, H_, L, keys_per_part_, seq_idx, q.device());
@@ -57,15 +56,8 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
       torch::NoGradGuard ng;
       p = patterns::top_k_prefix(scores.detach(), keys_per_part_, seq_idx);
     }
-    out.push_back(p);
+    all = all.idx.defined() ? patterns::merge(all, p) : p;
   }
-  return out;
-}
-
-patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                                                    const ForwardContext* ctx, at::Tensor* ks_scores) {
-  patterns::KeyLists all;
-  for (const auto& p : part_lists(q, k, seq_idx, ctx, ks_scores)) all = all.idx.defined() ? patterns::merge(all, p) : p;
   return all;
 }
 

@@ -50,9 +50,6 @@ class SparseAttentionBranch : public torch::nn::Module {
   // into *ks_scores, or taken from it when it is defined on entry (decoding).
   patterns::KeyLists key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
                                const ForwardContext* ctx, at::Tensor* ks_scores);
-  // Each part's lists (one entry for single-part patterns), in parts order.
-  std::vector<patterns::KeyLists> part_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                                             const ForwardContext* ctx, at::Tensor* ks_scores);
   // The LSH projection this layer uses under ctx's seed.
   at::Tensor lsh_projection(const ForwardContext* ctx) const;
 
