@@ -6,6 +6,8 @@
 #include "layers/key_scorer.h"
 #include "layers/mamba.h"
 #include "layers/mamba2.h"
+#include "layers/sparse_branch.h"
+#include "ops/attention/attention.h"
 #include "models/lm.h"
 #include "model_variants.h"
 #include "op_harness.h"
@@ -13,7 +15,11 @@
 using hax::ForwardContext;
 using hax::LanguageModel;
 using hax::ModelConfig;
+using hax::testing::clone_leaves;
+using hax::testing::random_cotangents;
 using hax::testing::rel_err;
+using hax::testing::run_with_grads;
+using hax::testing::Tensors;
 using hax::testing::all_variants;
 using hax::testing::hybrid_config;
 using hax::testing::name_of;
@@ -210,6 +216,40 @@ TEST(Hybrid, LshHashIsFixedBySeedAndResampledAcrossSeeds) {
   c.seed = 2;
   EXPECT_TRUE(at::equal(m->forward(ids, {}, &a), m->forward(ids, {}, &b)));
   EXPECT_FALSE(at::equal(m->forward(ids, {}, &a), m->forward(ids, {}, &c)));
+}
+
+TEST(Hybrid, HaxAsTwoAttentionsEqualsOneOverTheMergedLists) {
+  // On the CPU, HAX attends with LSH's lists (in bucket order) and Key Selection's lists without
+  // LSH's keys (in position order), joined by their log-sum-exps; that must equal one attention
+  // over the merged lists, forward and backward, packed or not, at awkward lengths.
+  ModelConfig c = hybrid_config("mamba2", "hax");
+  c.sparse_keys = 16;
+  torch::manual_seed(21);
+  hax::SparseAttentionBranch branch(c, 12, 16, 0);
+  branch.to(at::kDouble);
+  for (int64_t L : {1, 63, 97}) {
+    for (bool packed : {false, true}) {
+      SCOPED_TRACE("L = " + std::to_string(L) + (packed ? " packed" : ""));
+      at::Tensor seq = at::zeros({2, L}, at::kInt);
+      if (packed) seq.narrow(1, L / 2, L - L / 2).fill_(1);
+      const at::Tensor s = packed ? seq : at::Tensor();
+      at::Tensor x = at::randn({2, L, 12}, at::kDouble);
+      auto [q0, k0] = branch.queries_keys(x);
+      Tensors in = {q0.detach(), k0.detach(), at::randn({2, L, 1, 16}, at::kDouble)};
+      ForwardContext ctx;
+      ctx.seed = 3;
+      auto two = [&](const Tensors& t) { return Tensors{branch.attend(x, t[0], t[1], t[2], s, &ctx, nullptr)}; };
+      auto merged = [&](const Tensors& t) {
+        hax::patterns::KeyLists lists = branch.key_lists(t[0], t[1], s, &ctx, nullptr);
+        return Tensors{std::get<0>(hax::ops::sparse_attention(t[0], t[1], t[2], lists.idx, {}, {}, lists.q_order, 1.0))};
+      };
+      Tensors w = random_cotangents(merged(clone_leaves(in)));
+      auto [o_two, g_two] = run_with_grads(two, in, w);
+      auto [o_one, g_one] = run_with_grads(merged, in, w);
+      EXPECT_LE(rel_err(o_two[0], o_one[0], 1e-12, 1e-10), 1.0);
+      for (int k = 0; k < 3; ++k) EXPECT_LE(rel_err(g_two[k], g_one[k], 1e-12, 1e-10), 1.0) << "gradient of input " << k;
+    }
+  }
 }
 
 TEST(Hybrid, SlidingWindowCoveringTheSequenceEqualsFullAttention) {

@@ -619,6 +619,38 @@ TEST(PatternMerge, IsASetUnion) {
   EXPECT_TRUE(at::equal(pat::merge(pat::sliding_window(1, 1, 400, 8, seq), pat::sink(1, 1, 400, 8, seq)).idx, want));
 }
 
+TEST(PatternExclude, IsASetDifference) {
+  torch::manual_seed(142);
+  const int64_t B = 2, H = 3, N = 8;
+  for (int64_t L : kLengths)
+    for (bool packed : {false, true}) {
+      SCOPED_TRACE(trace(L, 0, packed));
+      at::Tensor seq = packing(B, L, packed);
+      at::Tensor q = at::randn({B, L, H, N}), k = at::randn({B, L, H, N});
+      pat::KeyLists a = pat::lsh(q, k, 9, pat::lsh_projection(N, 2, 9), pat::Binning::kSign, seq);
+      pat::KeyLists b = pat::top_k_prefix(at::randn({B, L, H}), 7, seq);
+      pat::KeyLists d = pat::exclude(b, a);
+      ASSERT_EQ(d.idx.sizes().vec(), (std::vector<int64_t>{B, H, L, 7}));
+      EXPECT_FALSE(d.q_order.defined());
+      EXPECT_TRUE(at::equal(pat::exclude(a, b).q_order, a.q_order));
+      expect_valid_lists(d.idx, seq, 7);
+      auto ai = a.idx.accessor<int32_t, 4>(), bi = b.idx.accessor<int32_t, 4>();
+      at::Tensor want = build_lists(B, H, L, 7, [&](int64_t bb, int64_t h, int64_t i) {
+        std::set<int64_t> in_a;
+        for (int64_t t = 0; t < 9; ++t)
+          if (ai[bb][h][i][t] >= 0) in_a.insert(ai[bb][h][i][t]);
+        std::vector<int64_t> keys;
+        for (int64_t t = 0; t < 7; ++t)
+          if (bi[bb][h][i][t] >= 0 && !in_a.count(bi[bb][h][i][t])) keys.push_back(bi[bb][h][i][t]);
+        return keys;
+      });
+      EXPECT_TRUE(at::equal(d.idx, want));
+      // exclude(b, a) and a are disjoint, and together list what merge(a, b) lists.
+      EXPECT_TRUE(at::equal(pat::key_counts(d) + pat::key_counts(a), pat::key_counts(pat::merge(a, b))));
+      EXPECT_TRUE(at::equal(pat::exclude(b, b).idx, at::full({B, H, L, 7}, -1, at::kInt)));
+    }
+}
+
 TEST(PatternKeyCounts, CountsNonPadding) {
   at::Tensor seq = random_packing(2, 100, 0.05);
   SeqIds ids(seq, 2, 100);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <set>
 
 #include "cuda_harness.h"
 #include "ops/attention/attention.h"
@@ -325,6 +326,54 @@ TEST(SparseAttention, EmptyListGivesZeroOutputAndZeroGradients) {
     auto [o3, g3] = run_with_grads(c.op, in, w);
     EXPECT_EQ(o3[0].abs().max().item<double>(), 0.0);
     for (int i : {0, 1, 2, 4, 5}) EXPECT_EQ(g3[i].abs().max().item<double>(), 0.0) << "input " << i;
+  }
+}
+
+// join_by_lse: the attention over the union of two disjoint key sets, from the attention over
+// each, equals the attention over the union (outputs and every gradient, float64), including
+// queries whose first, second or both sets are empty.
+TEST(SparseAttention, JoinByLseOfDisjointSetsEqualsAttentionOverTheUnion) {
+  torch::manual_seed(31);
+  std::mt19937 rng(17);
+  for (int64_t L : {1, 63, 97, 1025}) {
+    SCOPED_TRACE("L = " + std::to_string(L));
+    const int64_t B = 2, H = 2, D = 8, K = 12;
+    at::Tensor all = at::full({B, H, L, K}, -1, at::kInt), a = all.clone(), b = all.clone();
+    auto ap = all.accessor<int32_t, 4>(), aa = a.accessor<int32_t, 4>(), ab = b.accessor<int32_t, 4>();
+    for (int64_t bb = 0; bb < B; ++bb)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          std::set<int32_t> keys;
+          const int64_t n = std::uniform_int_distribution<int64_t>(0, std::min<int64_t>(K, i + 1))(rng);
+          while ((int64_t)keys.size() < n) keys.insert(std::uniform_int_distribution<int32_t>(0, int32_t(i))(rng));
+          int64_t t = 0, ta = 0, tb = 0;
+          const int mode = int(i % 5);  // 0: all in a, 1: all in b, else split at random
+          for (int32_t j : keys) {
+            ap[bb][h][i][t++] = j;
+            const bool to_a = mode == 0 || (mode > 1 && rng() % 2);
+            if (to_a) aa[bb][h][i][ta++] = j;
+            else ab[bb][h][i][tb++] = j;
+          }
+        }
+    Tensors in = {at::randn({B, L, H, D}, at::kDouble), at::randn({B, L, H, D}, at::kDouble),
+                  at::randn({B, L, H, D}, at::kDouble)};
+    for (auto& t : in) t.requires_grad_();
+    auto joined = [&](const Tensors& x) {
+      auto [o1, l1] = sparse_attention(x[0], x[1], x[2], a, {}, {}, {}, 0.4);
+      auto [o2, l2] = sparse_attention(x[0], x[1], x[2], b, {}, {}, {}, 0.4);
+      return Tensors{hax::ops::join_by_lse(o1, l1, o2, l2)};
+    };
+    auto direct = [&](const Tensors& x) { return Tensors{std::get<0>(sparse_attention(x[0], x[1], x[2], all, {}, {}, {}, 0.4))}; };
+    Tensors w = random_cotangents(direct(clone_leaves(in)));
+    auto [o_join, g_join] = run_with_grads(joined, in, w);
+    auto [o_all, g_all] = run_with_grads(direct, in, w);
+    EXPECT_LE(rel_err(o_join[0], o_all[0], 1e-12, 1e-10), 1.0);
+    for (int k = 0; k < 3; ++k) EXPECT_LE(rel_err(g_join[k], g_all[k], 1e-12, 1e-10), 1.0) << "gradient of input " << k;
+    // The LibTorch formula the fused CPU op replaces (used on other devices) agrees with it.
+    auto [o1, l1] = sparse_attention(in[0], in[1], in[2], a, {}, {}, {}, 0.4);
+    auto [o2, l2] = sparse_attention(in[0], in[1], in[2], b, {}, {}, {}, 0.4);
+    at::Tensor wt = at::sigmoid((l1 - l2).permute({0, 2, 1, 3}).nan_to_num(0.0));
+    EXPECT_LE(rel_err(hax::ops::join_by_lse(o1, l1, o2, l2), o2 + wt * (o1 - o2), 1e-14, 1e-12), 1.0);
   }
 }
 

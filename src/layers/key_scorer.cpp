@@ -100,8 +100,8 @@ at::Tensor prefix_query_direction(const at::Tensor& q0, const at::Tensor& seq_id
 
 at::Tensor KeyScorer::forward(const at::Tensor& k, const at::Tensor& q, const at::Tensor& seq_idx) {
   at::Tensor h = at::cat({k.detach(), prefix_query_direction(q, seq_idx)}, -1);  // (B, L, H, 2N)
-  h = at::relu(project(l1, h));
-  h = at::relu(project(l2, h));
+  h = project_relu(l1, h);
+  h = project_relu(l2, h);
   return project(l3, h).squeeze(-1);  // (B, L, H)
 }
 

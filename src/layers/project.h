@@ -12,4 +12,9 @@ inline at::Tensor project(const torch::nn::Linear& l, const at::Tensor& x) {
   return ops::linear(x, l->weight, l->bias);
 }
 
+// relu(project(l, x)), fused on the CPU.
+inline at::Tensor project_relu(const torch::nn::Linear& l, const at::Tensor& x) {
+  return ops::linear_relu(x, l->weight, l->bias);
+}
+
 }  // namespace hax

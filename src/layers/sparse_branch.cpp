@@ -37,10 +37,11 @@ at::Tensor SparseAttentionBranch::lsh_projection(const ForwardContext* ctx) cons
   return patterns::lsh_projection(N_, bits_, derive_seed(ctx ? ctx->seed : 0, 0x15A, (uint64_t)layer_));
 }
 
-patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                                                    const ForwardContext* ctx, at::Tensor* ks_scores) {
+std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tensor& q, const at::Tensor& k,
+                                                                 const at::Tensor& seq_idx, const ForwardContext* ctx,
+                                                                 at::Tensor* ks_scores) {
   const int64_t B = q.size(0), L = q.size(1);
-  patterns::KeyLists all;
+  std::vector<patterns::KeyLists> lists;
   for (const auto& part : parts_) {
     patterns::KeyLists p;
     if (part == "sw") p = patterns::sliding_window(B, H_, L, keys_per_part_, seq_idx, q.device());
@@ -56,8 +57,15 @@ patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const a
       torch::NoGradGuard ng;
       p = patterns::top_k_prefix(scores.detach(), keys_per_part_, seq_idx);
     }
-    all = all.idx.defined() ? patterns::merge(all, p) : p;
+    lists.push_back(p);
   }
+  return lists;
+}
+
+patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                                                    const ForwardContext* ctx, at::Tensor* ks_scores) {
+  patterns::KeyLists all;
+  for (const auto& p : part_lists(q, k, seq_idx, ctx, ks_scores)) all = all.idx.defined() ? patterns::merge(all, p) : p;
   return all;
 }
 
@@ -87,7 +95,24 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     return dma_attention(q, k, vh, delta, keys_per_part_, seq_idx, 1.0);
   }
   at::Tensor scores;
-  patterns::KeyLists lists = key_lists(q, k, seq_idx, ctx, &scores);
+  std::vector<patterns::KeyLists> parts = part_lists(q, k, seq_idx, ctx, &scores);
+  if (scores_out) *scores_out = scores;
+  // CPU, HAX (a part computed in a query order of its own, LSH's buckets, beside one in position
+  // order): two attentions, each with its own order, joined by their log-sum-exps. The merged
+  // lists in LSH's order would put each block's Key Selection keys of far-apart positions into one
+  // union (181 keys per 32 queries at L = 16K against 55 + 33 for the two parts), which the
+  // CPU's dense tiles pay for. The second part drops the keys the first lists, so the two are the
+  // union's disjoint halves. (The GPU's tile plan handles the merged lists better than two calls.)
+  if (!vh.is_cuda() && parts.size() == 2 && parts[0].q_order.defined() != parts[1].q_order.defined() &&
+      !(ctx && ctx->record)) {
+    const patterns::KeyLists& ordered = parts[0].q_order.defined() ? parts[0] : parts[1];
+    const patterns::KeyLists rest = patterns::exclude(parts[0].q_order.defined() ? parts[1] : parts[0], ordered);
+    auto [o1, lse1] = ops::sparse_attention(q, k, vh, ordered.idx, {}, {}, ordered.q_order, 1.0);
+    auto [o2, lse2] = ops::sparse_attention(q, k, vh, rest.idx, {}, {}, {}, 1.0);
+    return ops::join_by_lse(o1, lse1, o2, lse2);
+  }
+  patterns::KeyLists lists = parts[0];
+  for (size_t i = 1; i < parts.size(); ++i) lists = patterns::merge(lists, parts[i]);
   if (ctx && ctx->record) {
     PatternRecord rec{lists, {}, {}, scores.defined() ? scores.detach() : scores};
     if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {
@@ -97,7 +122,6 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     }
     ctx->record->push_back(rec);
   }
-  if (scores_out) *scores_out = scores;
   return std::get<0>(ops::sparse_attention(q, k, vh, lists.idx, {}, {}, lists.q_order, 1.0));
 }
 
@@ -138,8 +162,8 @@ at::Tensor SparseAttentionBranch::step(const at::Tensor& qk_in, const at::Tensor
       // The new key's score: the scorer on [k_t, normalize(Σ_{p<=t} q_p)].
       at::Tensor qs = st.q_sum / st.q_sum.norm(2, -1, true).clamp_min(1e-12);
       at::Tensor h = at::cat({k.squeeze(1).detach(), qs}, -1);
-      h = at::relu(project(scorer->l1, h));
-      h = at::relu(project(scorer->l2, h));
+      h = project_relu(scorer->l1, h);
+      h = project_relu(scorer->l2, h);
       append(st.key_scores, project(scorer->l3, h).view({B, 1, H_}));
       scores = st.key_scores;
     }

@@ -46,6 +46,10 @@ class SparseAttentionBranch : public torch::nn::Module {
 
   // Queries and keys (B, L, H, N) of qk_in.
   std::pair<at::Tensor, at::Tensor> queries_keys(const at::Tensor& qk_in);
+  // The lists of each part of the pattern (one for single patterns; "hax": LSH's, then Key
+  // Selection's), with the Key Selection scores as for key_lists.
+  std::vector<patterns::KeyLists> part_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                                             const ForwardContext* ctx, at::Tensor* ks_scores);
   // The pattern's key lists for q, k (not for "full"). The Key Selection scores are computed
   // into *ks_scores, or taken from it when it is defined on entry (decoding).
   patterns::KeyLists key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,

@@ -1,8 +1,21 @@
-// Union of two patterns' lists, and the per-query key counts. CUDA lists: cuda/merge_lists.cu.
+// Union and difference of two patterns' lists, and the per-query key counts. CUDA lists: cuda/merge_lists.cu.
 #include "patterns/internal.h"
 #include "patterns/pattern.h"
 
+#include <limits>
+
 namespace hax::patterns {
+
+namespace {
+
+// Entries of a list before its first -1.
+int64_t count_listed(const int32_t* list, int64_t k) {
+  int64_t n = 0;
+  while (n < k && list[n] >= 0) ++n;
+  return n;
+}
+
+}  // namespace
 
 KeyLists merge(const KeyLists& a, const KeyLists& b) {
   constexpr const char* kOp = "merge";
@@ -20,31 +33,77 @@ KeyLists merge(const KeyLists& a, const KeyLists& b) {
   }
   const at::Tensor x = a.idx.to(at::kCPU).contiguous(), y = b.idx.to(at::kCPU).contiguous();
   const int64_t K = Ka + Kb;
-  at::Tensor idx = detail::empty_lists(B, H, L, K);
+  at::Tensor idx = at::empty({B, H, L, K}, at::TensorOptions().dtype(at::kInt));  // every entry written below
   const int32_t* xp = x.data_ptr<int32_t>();
   const int32_t* yp = y.data_ptr<int32_t>();
   int32_t* out = idx.data_ptr<int32_t>();
   const int64_t rows = B * H * L;
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      // Both lists are ascending and end at their first -1: a two-way merge that drops repeats.
-      const int32_t *p = xp + r * Ka, *pe = p + Ka, *q = yp + r * Kb, *qe = q + Kb;
+      // Both lists are ascending and end at their first -1: a two-way merge that drops repeats,
+      // without data-dependent branches (which of two random lists is smaller mispredicts half
+      // the time). An exhausted list reads as +inf; an element is kept if it differs from the last.
+      constexpr int32_t kEnd = std::numeric_limits<int32_t>::max();
+      const int32_t *p = xp + r * Ka, *q = yp + r * Kb;
+      const int64_t na = count_listed(p, Ka), nb = count_listed(q, Kb);
       int32_t* dst = out + r * K;
+      int64_t ia = 0, ib = 0, n = 0;
       int32_t last = -1;
-      while (true) {
-        const bool has_p = p != pe && *p >= 0, has_q = q != qe && *q >= 0;
-        if (!has_p && !has_q) break;
-        int32_t v;
-        if (has_p && (!has_q || *p <= *q))
-          v = *p++;
-        else
-          v = *q++;
-        if (v != last) *dst++ = last = v;
+      for (int64_t t = 0; t < na + nb; ++t) {
+        const int32_t va = ia < na ? p[ia] : kEnd, vb = ib < nb ? q[ib] : kEnd;
+        const bool take_a = va <= vb;
+        const int32_t v = take_a ? va : vb;
+        ia += take_a, ib += !take_a;
+        dst[n] = v;
+        n += v != last;
+        last = v;
       }
+      for (; n < K; ++n) dst[n] = -1;
     }
   });
   at::Tensor q_order = a.q_order.defined() ? a.q_order : b.q_order;
   return {detail::on(idx, a.idx.device()), q_order};
+}
+
+KeyLists exclude(const KeyLists& a, const KeyLists& b) {
+  constexpr const char* kOp = "exclude";
+  ops::check_rank(kOp, "a.idx", a.idx, 4, "(B, H, L, Ka)");
+  ops::check_rank(kOp, "b.idx", b.idx, 4, "(B, H, L, Kb)");
+  HAX_CHECK(a.idx.scalar_type() == at::kInt && b.idx.scalar_type() == at::kInt,
+            "{}: a.idx and b.idx must be int32 (got {} and {})", kOp, c10::toString(a.idx.scalar_type()),
+            c10::toString(b.idx.scalar_type()));
+  const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2), Ka = a.idx.size(3), Kb = b.idx.size(3);
+  ops::check_shape(kOp, "b.idx", b.idx, {B, H, L, Kb}, "(B, H, L, Kb) with a.idx's (B, H, L)");
+  // Computed on the CPU for any device (the CPU attention is its user).
+  const at::Tensor x = a.idx.to(at::kCPU).contiguous(), y = b.idx.to(at::kCPU).contiguous();
+  at::Tensor idx = at::empty({B, H, L, Ka}, at::TensorOptions().dtype(at::kInt));  // every entry written below
+  const int32_t* xp = x.data_ptr<int32_t>();
+  const int32_t* yp = y.data_ptr<int32_t>();
+  int32_t* out = idx.data_ptr<int32_t>();
+  at::parallel_for(0, B * H * L, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, Ka + Kb)), [&](int64_t begin,
+                                                                                                 int64_t end) {
+    // Row r marks b's keys with its stamp (one random access per key into a small array), then
+    // keeps a's unmarked keys, without branches on the data: padding (-1) reads and writes a
+    // spare slot.
+    int32_t most = 0;
+    for (int64_t e = begin * Kb; e < end * Kb; ++e) most = std::max(most, yp[e]);
+    for (int64_t e = begin * Ka; e < end * Ka; ++e) most = std::max(most, xp[e]);
+    const int32_t spare = most + 1;
+    std::vector<int32_t> stamp(spare + 1, -1);
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t *p = xp + r * Ka, *q = yp + r * Kb;
+      const int32_t mark = int32_t(r - begin);
+      for (int64_t t = 0; t < Kb; ++t) stamp[q[t] < 0 ? spare : q[t]] = mark;
+      int32_t* dst = out + r * Ka;
+      int64_t n = 0;
+      for (int64_t t = 0; t < Ka; ++t) {
+        dst[n] = p[t];
+        n += p[t] >= 0 && stamp[p[t] < 0 ? spare : p[t]] != mark;
+      }
+      for (; n < Ka; ++n) dst[n] = -1;
+    }
+  });
+  return {detail::on(idx, a.idx.device()), a.q_order};
 }
 
 at::Tensor key_counts(const KeyLists& lists) {

@@ -66,6 +66,11 @@ KeyLists top_k_prefix(const at::Tensor& scores, int64_t k, const at::Tensor& seq
 // slots. q_order is a's if defined, else b's.
 KeyLists merge(const KeyLists& a, const KeyLists& b);
 
+// The keys of a's lists that are not in b's, for each query (ascending, -1 padded, Ka slots);
+// q_order is a's. With merge: merge(a, b) lists what b and exclude(a, b) list together, and the
+// two have no key in common.
+KeyLists exclude(const KeyLists& a, const KeyLists& b);
+
 // Number of keys of each query (B, H, L) int32 (entries != -1).
 at::Tensor key_counts(const KeyLists& lists);
 

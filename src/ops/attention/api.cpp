@@ -170,8 +170,8 @@ Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   in.idx = idx.reshape({d.B, d.H, d.L, d.S, d.K}).contiguous();
   // On a CUDA device the value checks read the tensors back (a host synchronization), so they run
   // only while check_device_values() is on; the kernels ignore out-of-range entries either way.
-  if (!in.idx.is_cuda()) check_idx_values(in.idx, d);
-  else if (check_device_values()) check_idx_values_cuda(in.idx, d);
+  // On the CPU the forward kernel checks idx as it reads it (AttentionParams::invalid).
+  if (in.idx.is_cuda() && check_device_values()) check_idx_values_cuda(in.idx, d);
   if (bias.defined()) in.bias = bias.contiguous();
   if (seg_w.defined()) in.seg_w = seg_w.contiguous();
   if (q_order.defined()) {
@@ -308,7 +308,8 @@ using torch::autograd::variable_list;
 
 struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor idx,
-                               at::Tensor bias, at::Tensor seg_w, at::Tensor q_order, double scale) {
+                               at::Tensor bias, at::Tensor seg_w, at::Tensor q_order, double scale,
+                               bool record) {
     // Absent optional tensors arrive as empty tensors (LibTorch's autograd needs defined ones).
     auto present = [](const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); };
     Inputs in = prepare(q, k, v, idx, present(bias), present(seg_w), present(q_order), scale);
@@ -329,11 +330,34 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
       plan = build_tile_plan(in, p);
       p.tile_count = plan.count.data_ptr<int32_t>();
     }
+    // CPU, one segment, a backward to come: the forward records its key unions for it.
+    at::Tensor union_count, union_keys, union_mult;
+    if (!cuda && record && d.S == 1 && d.B * d.H * d.L > 0) {
+      const CpuUnionShape u = sparse_attention_cpu_unions(p);
+      if (u.limit > 0) {
+        union_count = at::empty({u.items}, at::kInt);
+        union_keys = at::empty({u.items, u.limit}, at::kInt);  // pages beyond each union stay untouched
+        union_mult = at::empty({u.items, u.limit, u.lanes}, at::kByte);
+        p.union_count = union_count.data_ptr<int32_t>();
+        p.union_keys = union_keys.data_ptr<int32_t>();
+        p.union_mult = union_mult.data_ptr<uint8_t>();
+      }
+    }
+    ctx->saved_data["unions"] = union_count.defined();
+    if (union_count.defined()) {
+      ctx->saved_data["union_count"] = union_count;
+      ctx->saved_data["union_keys"] = union_keys;
+      ctx->saved_data["union_mult"] = union_mult;
+    }
     if (d.B * d.H * d.L > 0) {
       if (cuda)
         HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_forward_cuda(p, kernel_dtype(in.q), cuda_stream(in.q)));
-      else
+      else {
+        int32_t invalid = 0;
+        p.invalid = &invalid;
         sparse_attention_forward_cpu(p, in.q.scalar_type());
+        if (invalid) check_idx_values(in.idx, d);  // names the first bad entry and throws
+      }
       if (tiles) HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_tile_forward_cuda(p, plan.view(), cuda_stream(in.q)));
     }
     ctx->saved_data["tiles"] = tiles;
@@ -379,7 +403,7 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
         plan.mask = ctx->saved_data["plan_mask"].toTensor();
       }
       const CudaGrads g = backward_cuda(in, lse, dout, dlse, scale, path, tiles ? &plan : nullptr, s[8]);
-      return {g.dq, g.dk, g.dv, at::Tensor(), g.dbias, g.dseg_w, at::Tensor(), at::Tensor()};
+      return {g.dq, g.dk, g.dv, at::Tensor(), g.dbias, g.dseg_w, at::Tensor(), at::Tensor(), at::Tensor()};
     }
     at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros({d.B, d.L, d.H, d.Dv}, in.q.options());
     at::Tensor dlse = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
@@ -388,6 +412,15 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
     gp.fwd = make_params(in, scale);
     gp.fwd.path = path;
     gp.fwd.lse = lse.data_ptr();
+    at::Tensor union_count, union_keys, union_mult;
+    if (ctx->saved_data["unions"].toBool()) {
+      union_count = ctx->saved_data["union_count"].toTensor();
+      union_keys = ctx->saved_data["union_keys"].toTensor();
+      union_mult = ctx->saved_data["union_mult"].toTensor();
+      gp.fwd.union_count = union_count.data_ptr<int32_t>();
+      gp.fwd.union_keys = union_keys.data_ptr<int32_t>();
+      gp.fwd.union_mult = union_mult.data_ptr<uint8_t>();
+    }
     at::Tensor dq = at::empty_like(in.q), dk = at::empty_like(in.k), dv = at::empty_like(in.v);
     at::Tensor dbias = in.bias.defined() ? at::empty_like(in.bias) : at::Tensor();
     at::Tensor dseg_w = in.seg_w.defined() ? at::empty_like(in.seg_w) : at::Tensor();
@@ -402,7 +435,7 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
       dk.zero_(), dv.zero_();
       if (dbias.defined()) dbias.zero_();
     }
-    return {dq, dk, dv, at::Tensor(), dbias, dseg_w, at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), dbias, dseg_w, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -419,8 +452,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
                             autocast_cast(seg_w), q_order, scale);
   check_inputs(q, k, v, idx, bias, seg_w, q_order, scale);  // before apply, which needs defined tensors
   auto absent = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options()); };
+  const bool record = at::GradMode::is_enabled() &&
+                      (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                       (bias.defined() && bias.requires_grad()) || (seg_w.defined() && seg_w.requires_grad()));
   auto out = SparseAttentionFunction::apply(q, k, v, idx, absent(bias), absent(seg_w),
-                                            q_order.defined() ? q_order : at::empty({0}, at::kInt), scale);
+                                            q_order.defined() ? q_order : at::empty({0}, at::kInt), scale, record);
   return {out[0], out[1]};
 }
 

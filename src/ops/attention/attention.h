@@ -21,6 +21,11 @@ namespace hax::ops {
 
 void sparse_attention_forward_cpu(const AttentionParams& p, at::ScalarType dtype);
 void sparse_attention_backward_cpu(const AttentionGradParams& p, at::ScalarType dtype);
+// Sizes of the CPU forward's union record (params.h, union_*): items, rows per item, lanes.
+struct CpuUnionShape {
+  int64_t items = 0, limit = 0, lanes = 0;
+};
+CpuUnionShape sparse_attention_cpu_unions(const AttentionParams& p);
 
 // Differentiable in q, k, v, bias and seg_w (undefined tensors = absent), through both outputs.
 // idx may be (B, H, L, K) for one segment (lse is then still (B, H, L, 1)). q_order, when given,
@@ -34,6 +39,12 @@ void sparse_attention_backward_cpu(const AttentionGradParams& p, at::ScalarType 
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& idx, const at::Tensor& bias,
                                                     const at::Tensor& seg_w, const at::Tensor& q_order, double scale);
+
+// Attention over the union of two disjoint key sets from the attention over each: with (o_s, lse_s)
+// the output and log-sum-exp of set s, softmax over the union = Σ_s exp(lse_s - lse) softmax over
+// s, so out = o_2 + sigmoid(lse_1 - lse_2) (o_1 - o_2). o1, o2: (B, L, H, Dv); lse1, lse2:
+// (B, H, L, 1), as sparse_attention returns them. Differentiable in all four (fused on the CPU).
+at::Tensor join_by_lse(const at::Tensor& o1, const at::Tensor& lse1, const at::Tensor& o2, const at::Tensor& lse2);
 
 // Dense reference written with LibTorch ops (masked softmax over an L x Lk score matrix per
 // segment): the test oracle, differentiable by autograd. Use float64 and small L.

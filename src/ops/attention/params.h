@@ -33,6 +33,15 @@ struct AttentionParams {
   void* lse = nullptr;            // out (B, H, L, S) log-sum-exp of each segment's scores (-inf if empty);
                                   // float32 on CUDA, the input dtype on the CPU
   AttentionPath path = AttentionPath::kAuto;
+  // CPU only: the forward sets *invalid to 1 when idx holds an entry outside [-1, Lk), which the
+  // kernels treat as absent (the binding then reports it); checking there costs no extra pass.
+  int32_t* invalid = nullptr;
+  // CPU only, one segment: when set, the forward records each tile block's key union (item it =
+  // bh * blocks + block, sizes from sparse_attention_cpu_unions()), and the backward takes it
+  // from there instead of collecting it again from idx.
+  int32_t* union_count = nullptr;  // (items) union size U, or -1: not recorded (computed per query)
+  int32_t* union_keys = nullptr;   // (items, limit) key of union row u
+  uint8_t* union_mult = nullptr;   // (items, limit, lanes) how often query lane r lists key u
   // CUDA only: when set, the blocks of kAttentionTileQueries queries (in q_order) whose plan
   // entry is >= 0 are computed by the tile kernels, and the per-query kernels skip their queries.
   const int32_t* tile_count = nullptr;  // (B*H, ceil(L / kAttentionTileQueries)), see AttentionTilePlan

@@ -20,7 +20,7 @@ LinearParams make_params(const at::Tensor& x2, const at::Tensor& w, const at::Te
 
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   // b arrives as an empty tensor when absent (LibTorch 1.13's apply cannot take undefined ones).
-  static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, at::Tensor b) {
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, at::Tensor b, bool relu) {
     const int64_t in = w.size(1), out = w.size(0);
     at::Tensor x2 = x.reshape({-1, in}).contiguous(), wc = w.contiguous(), bc = b.contiguous();
     auto sizes = x.sizes().vec();
@@ -28,8 +28,10 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     at::Tensor y = at::empty({x2.size(0), out}, x.options());
     LinearParams p = make_params(x2, wc, bc);
     p.y = y.data_ptr();
+    p.relu = relu;
     if (p.rows > 0) linear_forward_cpu(p, x.scalar_type());
-    ctx->save_for_backward({x2, wc, bc});
+    ctx->save_for_backward({x2, wc, bc, relu ? y : at::empty({0}, x.options())});
+    ctx->saved_data["relu"] = relu;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     return {y.view(sizes)};
   }
@@ -39,6 +41,7 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor &x2 = s[0], &w = s[1], &b = s[2];
     auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     at::Tensor dy = grads[0].reshape({-1, w.size(0)}).contiguous();
+    if (ctx->saved_data["relu"].toBool()) dy = dy * (s[3] > 0).to(dy.scalar_type());  // relu' from the output
     LinearGradParams g;
     g.fwd = make_params(x2, w, b);
     at::Tensor dx = at::empty_like(x2), dw = at::empty_like(w), db = b.numel() ? at::empty_like(b) : at::Tensor();
@@ -50,7 +53,7 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
       dw.zero_();
       if (db.defined()) db.zero_();
     }
-    return {dx.view(x_sizes), dw, db};
+    return {dx.view(x_sizes), dw, db, at::Tensor()};
   }
 };
 
@@ -64,7 +67,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   const bool native = x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
                       w.scalar_type() == x.scalar_type() && (!b.defined() || b.scalar_type() == x.scalar_type());
   if (!native) return at::linear(x, w, b);
-  return LinearFunction::apply(x, w, b.defined() ? b : at::empty({0}, x.options()))[0];
+  return LinearFunction::apply(x, w, b.defined() ? b : at::empty({0}, x.options()), false)[0];
+}
+
+at::Tensor linear_relu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  check_rank("linear_relu", "w", w, 2, "(out, in)");
+  HAX_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), "linear_relu: x has shape {} but its last dim must be in = {}",
+            shape_str(x.sizes()), w.size(1));
+  if (b.defined()) check_shape("linear_relu", "b", b, {w.size(0)}, "(out)");
+  const bool native = x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
+                      w.scalar_type() == x.scalar_type() && (!b.defined() || b.scalar_type() == x.scalar_type());
+  if (!native) return at::relu(at::linear(x, w, b));
+  return LinearFunction::apply(x, w, b.defined() ? b : at::empty({0}, x.options()), true)[0];
 }
 
 }  // namespace hax::ops

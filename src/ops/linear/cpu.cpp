@@ -30,6 +30,10 @@ void forward_impl(const LinearParams& p) {
       if (b)
         for (int64_t r = 0; r < rows; ++r) std::copy(b, b + N, yb + r * N);
       small_gemm<T>(rows, N, K, (const T*)p.x + r0 * K, K, wt.data(), N, yb, N, b != nullptr);
+      if (p.relu) {
+#pragma omp simd
+        for (int64_t e = 0; e < rows * N; ++e) yb[e] = yb[e] > T(0) ? yb[e] : T(0);
+      }
     }
   });
 }

@@ -14,6 +14,7 @@ struct LinearParams {
   const void* w = nullptr;  // (out, in)
   const void* b = nullptr;  // (out) or null
   void* y = nullptr;        // out (rows, out)
+  bool relu = false;        // y = max(0, x W^T + b), applied to each row block while it is in cache
 };
 
 struct LinearGradParams {
@@ -30,5 +31,9 @@ void linear_backward_cpu(const LinearGradParams& p, at::ScalarType dtype);
 
 // Differentiable in x, W and b. CPU float32/float64; other devices and dtypes go to at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+// relu(linear(x, W, b)) in one pass over the output on the CPU (the backward masks dy with the
+// saved output); other devices and dtypes: at::relu(at::linear(...)).
+at::Tensor linear_relu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
 }  // namespace hax::ops
