@@ -158,6 +158,10 @@ TEST(KeySelection, RankingLossEqualsItsFormula) {
   expect /= terms;
   at::Tensor got = hax::ranking_loss_at(scores, q, k, seq, valid, cand);
   EXPECT_NEAR(got.item<double>(), expect, 1e-12);
+  // The sampled form reads the host copy of valid when one is given (a GPU step does not wait):
+  // the same candidates, so the same loss.
+  EXPECT_TRUE(at::equal(hax::ranking_loss(scores, q, k, seq, valid, C, 7),
+                        hax::ranking_loss(scores, q, k, seq, valid, C, 7, valid.clone())));
 }
 
 TEST(KeySelection, RankingLossGradientReachesOnlyTheScorer) {

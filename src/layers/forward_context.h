@@ -22,6 +22,8 @@ struct ForwardContext {
   bool training = false;   // compute Key Selection ranking losses
   uint64_t seed = 0;       // per training step (LSH hash resampled every step), fixed for evaluation
   at::Tensor valid;        // (B, L) bool: real tokens (false at padding), or undefined (all real)
+  at::Tensor valid_host;   // valid on the CPU when valid lives on a GPU (the ranking loss samples its
+                           // candidates on the host: reading valid back would stall the step), or undefined
   std::vector<at::Tensor> ranking_losses;              // one scalar per layer with Key Selection (training)
   std::vector<PatternRecord>* record = nullptr;   // if set, each sparse layer appends what it used
 };

@@ -131,9 +131,10 @@ at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const 
 }
 
 at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                        const at::Tensor& valid, int64_t candidates, uint64_t seed) {
+                        const at::Tensor& valid, int64_t candidates, uint64_t seed, const at::Tensor& valid_host) {
   const int64_t B = q.size(0), L = q.size(1);
-  at::Tensor ok = valid.defined() ? valid.to(at::kCPU).to(at::kBool).contiguous() : at::ones({B, L}, at::kBool);
+  const at::Tensor& vh = valid_host.defined() ? valid_host : valid;
+  at::Tensor ok = vh.defined() ? vh.to(at::kCPU).to(at::kBool).contiguous() : at::ones({B, L}, at::kBool);
   auto okp = ok.accessor<bool, 2>();
   // Same candidate count for every row: the fewest valid positions of any row, at most `candidates`.
   int64_t C = candidates;
@@ -155,7 +156,8 @@ at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at:
       cp[b][c] = pool[c];
     }
   }
-  return ranking_loss_at(scores, q, k, seq_idx, valid, cand.to(scores.device()));
+  // Not waiting for the copy: the source is staged at once (a blocking copy would wait for the GPU).
+  return ranking_loss_at(scores, q, k, seq_idx, valid, cand.to(scores.device(), /*non_blocking=*/true));
 }
 
 }  // namespace hax

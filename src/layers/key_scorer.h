@@ -32,9 +32,11 @@ at::Tensor prefix_query_direction(const at::Tensor& q, const at::Tensor& seq_idx
 
 // The ranking loss of the scores (B, L, H) against q, k (B, L, H, N): `candidates` distinct
 // positions per row drawn with hax::Rng(seed) among the valid ones (valid (B, L) bool or
-// undefined). Differentiable in scores only.
+// undefined; valid_host, when given, is the same mask on the CPU, read instead of valid so that a
+// GPU step need not wait). Differentiable in scores only.
 at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                        const at::Tensor& valid, int64_t candidates, uint64_t seed);
+                        const at::Tensor& valid, int64_t candidates, uint64_t seed,
+                        const at::Tensor& valid_host = at::Tensor());
 
 // The loss for given candidate positions cand (B, C) int64 (all rows the same count): the
 // formula above, written directly. Exposed for tests.

@@ -49,8 +49,9 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
     else if (part == "d") p = patterns::dilated(B, H_, L, keys_per_part_, stride_, seq_idx, q.device());
     else if (part == "lsh") {
       torch::NoGradGuard ng;
-      p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, lsh_projection(ctx).to(q.device(), q.scalar_type()), binning_,
-                        seq_idx);
+      // Not waiting for the copy (the source is staged at once; a blocking copy waits for the GPU).
+      const at::Tensor proj = lsh_projection(ctx).to(q.device(), q.scalar_type(), /*non_blocking=*/true);
+      p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, proj, binning_, seq_idx);
     } else if (part == "ks") {
       at::Tensor scores = ks_scores && ks_scores->defined() ? *ks_scores : scorer->forward(k, q, seq_idx);  // (B, L, H)
       if (ks_scores) *ks_scores = scores;
@@ -133,7 +134,7 @@ at::Tensor SparseAttentionBranch::forward(const at::Tensor& qk_in, const at::Ten
   at::Tensor out = attend(qk_in, q, k, v.reshape({B, L, H_, v_dim_ / H_}), seq_idx, ctx, &scores);
   if (scorer && ctx && ctx->training)
     ctx->ranking_losses.push_back(ranking_loss(scores, q.detach(), k.detach(), seq_idx, ctx->valid, candidates_,
-                                               derive_seed(ctx->seed, 0x45, (uint64_t)layer_)));
+                                               derive_seed(ctx->seed, 0x45, (uint64_t)layer_), ctx->valid_host));
   return out.reshape({B, L, v_dim_}) * E;
 }
 

@@ -5,6 +5,7 @@ namespace hax {
 LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardContext& ctx, bool read_accuracy) {
   const Batch batch = batch0.to(model.device());
   ctx.valid = batch.sample_id >= 0;
+  ctx.valid_host = batch0.sample_id.is_cpu() && !batch.sample_id.is_cpu() ? batch0.sample_id >= 0 : at::Tensor();
   ctx.ranking_losses.clear();
   at::Tensor h = model.hidden(batch.inputs, batch.seq_idx, nullptr, &ctx);  // (B, T, d)
   // Supervised positions: known on the host for batches from make_batch (no device read-back).
