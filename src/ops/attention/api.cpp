@@ -310,6 +310,7 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
   static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor idx,
                                at::Tensor bias, at::Tensor seg_w, at::Tensor q_order, double scale,
                                bool record) {
+    ctx->set_materialize_grads(false);  // an unused output (lse, final state) gets no tensor of zeros
     // Absent optional tensors arrive as empty tensors (LibTorch's autograd needs defined ones).
     auto present = [](const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); };
     Inputs in = prepare(q, k, v, idx, present(bias), present(seg_w), present(q_order), scale);

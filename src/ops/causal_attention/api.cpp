@@ -60,6 +60,7 @@ using torch::autograd::variable_list;
 struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentionFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, at::Tensor seq_idx,
                                int64_t window, double scale) {
+    ctx->set_materialize_grads(false);  // an unused output (lse, final state) gets no tensor of zeros
     // An absent seq_idx arrives as an empty tensor (LibTorch's autograd needs defined ones).
     if (seq_idx.numel() == 0) seq_idx = at::Tensor();
     Dims d = check_inputs(q0, k0, v0, window, scale);

@@ -59,25 +59,27 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  check_rank("linear", "w", w, 2, "(out, in)");
-  HAX_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), "linear: x has shape {} but its last dim must be in = {}",
+namespace {
+
+// Checks the arguments of `op`; true when the CPU kernels take them (float32/float64 on the CPU).
+bool check_linear(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  check_rank(op, "w", w, 2, "(out, in)");
+  HAX_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), "{}: x has shape {} but its last dim must be in = {}", op,
             shape_str(x.sizes()), w.size(1));
-  if (b.defined()) check_shape("linear", "b", b, {w.size(0)}, "(out)");
-  const bool native = x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
-                      w.scalar_type() == x.scalar_type() && (!b.defined() || b.scalar_type() == x.scalar_type());
-  if (!native) return at::linear(x, w, b);
+  if (b.defined()) check_shape(op, "b", b, {w.size(0)}, "(out)");
+  return x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
+         w.scalar_type() == x.scalar_type() && (!b.defined() || b.scalar_type() == x.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  if (!check_linear("linear", x, w, b)) return at::linear(x, w, b);
   return LinearFunction::apply(x, w, b.defined() ? b : at::empty({0}, x.options()), false)[0];
 }
 
 at::Tensor linear_relu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  check_rank("linear_relu", "w", w, 2, "(out, in)");
-  HAX_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), "linear_relu: x has shape {} but its last dim must be in = {}",
-            shape_str(x.sizes()), w.size(1));
-  if (b.defined()) check_shape("linear_relu", "b", b, {w.size(0)}, "(out)");
-  const bool native = x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
-                      w.scalar_type() == x.scalar_type() && (!b.defined() || b.scalar_type() == x.scalar_type());
-  if (!native) return at::relu(at::linear(x, w, b));
+  if (!check_linear("linear_relu", x, w, b)) return at::relu(at::linear(x, w, b));
   return LinearFunction::apply(x, w, b.defined() ? b : at::empty({0}, x.options()), true)[0];
 }
 

@@ -89,6 +89,7 @@ using torch::autograd::variable_list;
 struct SsdFunction : public torch::autograd::Function<SsdFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor dt, at::Tensor A, at::Tensor Bm,
                                at::Tensor Cm, at::Tensor init, at::Tensor seq_idx, int64_t chunk) {
+    ctx->set_materialize_grads(false);  // an unused output (lse, final state) gets no tensor of zeros
     // Absent optional tensors arrive as empty tensors (LibTorch's autograd needs defined ones).
     if (init.numel() == 0) init = at::Tensor();
     if (seq_idx.numel() == 0) seq_idx = at::Tensor();
