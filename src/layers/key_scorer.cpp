@@ -2,6 +2,7 @@
 #include "layers/project.h"
 
 #include <algorithm>
+#include <vector>
 #include <cmath>
 
 #include "core/rng.h"
@@ -99,10 +100,25 @@ at::Tensor prefix_query_direction(const at::Tensor& q0, const at::Tensor& seq_id
 }
 
 at::Tensor KeyScorer::forward(const at::Tensor& k, const at::Tensor& q, const at::Tensor& seq_idx) {
-  at::Tensor h = at::cat({k.detach(), prefix_query_direction(q, seq_idx)}, -1);  // (B, L, H, 2N)
-  h = project_relu(l1, h);
-  h = project_relu(l2, h);
-  return project(l3, h).squeeze(-1);  // (B, L, H)
+  const at::Tensor kd = k.detach(), u = prefix_query_direction(q, seq_idx);  // (B, L, H, N) each
+  auto mlp = [&](int64_t t0, int64_t n) {
+    at::Tensor h = at::cat({kd.narrow(1, t0, n), u.narrow(1, t0, n)}, -1);  // (B, n, H, 2N)
+    h = project_relu(l1, h);
+    h = project_relu(l2, h);
+    return project(l3, h).squeeze(-1);  // (B, n, H)
+  };
+  // The MLP is per position: on the CPU it runs on slices of positions whose widest activation
+  // stays below kSliceBytes. Whole-sequence activations at long L (64K x 128 floats = 33.5 MB)
+  // pass glibc's largest mmap threshold and were page-faulted afresh at every call.
+  constexpr int64_t kSliceBytes = int64_t(8) << 20;
+  const int64_t L = k.size(1);
+  const int64_t width = std::max<int64_t>(l1->weight.size(0), l1->weight.size(1));
+  const int64_t per_pos = std::max<int64_t>(1, k.size(0) * k.size(2) * width * k.element_size());
+  const int64_t slice = k.is_cpu() ? std::max<int64_t>(1, kSliceBytes / per_pos) : L;
+  if (slice >= L) return mlp(0, L);
+  std::vector<at::Tensor> parts;
+  for (int64_t t0 = 0; t0 < L; t0 += slice) parts.push_back(mlp(t0, std::min(slice, L - t0)));
+  return at::cat(parts, 1);
 }
 
 at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
