@@ -1,5 +1,6 @@
 // The linear op against at::linear in float64, finite differences, determinism.
 #include "op_harness.h"
+#include "core/small_gemm.h"
 #include "ops/linear/linear.h"
 
 using namespace hax::testing;
@@ -52,4 +53,25 @@ TEST(Linear, BadShapesNameTheTensor) {
   expect_usage_error([] { hax::ops::linear(at::randn({3, 4}), at::randn({5, 3}), {}); }, "last dim must be in = 3");
   expect_usage_error([] { hax::ops::linear(at::randn({3, 4}), at::randn({5, 4}), at::randn({4})); },
                      "b has shape [4]");
+}
+
+// core/small_gemm.h: C = A B and C = A^T B (A stored transposed) against a float64 loop nest, at
+// awkward sizes (vector-width tails and single rows), with and without accumulation into C.
+TEST(SmallGemm, PlainAndTransposedAMatchNaiveProducts) {
+  torch::manual_seed(3);
+  for (int64_t M : {1, 7, 16, 33})
+    for (int64_t N : {1, 5, 16, 47})
+      for (int64_t K : {1, 9, 64})
+        for (bool acc : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "M " << M << " N " << N << " K " << K << " acc " << acc);
+          at::Tensor a = at::randn({M, K}), at_ = a.t().contiguous(), b = at::randn({K, N}), c0 = at::randn({M, N});
+          at::Tensor want = (acc ? c0.to(at::kDouble) : at::zeros({M, N}, at::kDouble)) +
+                            at::matmul(a.to(at::kDouble), b.to(at::kDouble));
+          at::Tensor c1 = c0.clone(), c2 = c0.clone();
+          hax::small_gemm<float>(M, N, K, a.data_ptr<float>(), K, b.data_ptr<float>(), N, c1.data_ptr<float>(), N, acc);
+          hax::small_gemm_tn<float>(M, N, K, at_.data_ptr<float>(), M, b.data_ptr<float>(), N, c2.data_ptr<float>(), N,
+                                    acc);
+          EXPECT_LE(rel_err(c1, want, 1e-5, 1e-5), 1.0);
+          EXPECT_LE(rel_err(c2, want, 1e-5, 1e-5), 1.0);
+        }
 }
