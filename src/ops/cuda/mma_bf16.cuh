@@ -147,6 +147,26 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], const flo
     for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e / 2];
 }
 
+// Writes the thread's two rows of a (16, DB) accumulator (fragment rows r0+g and r0+g+8, going
+// to rows row[0] and row[1] of dst) times mul[r], columns < ncols, into dst (row stride
+// `stride`); a row outside [0, nrows) is skipped.
+template <int DB>
+__device__ __forceinline__ void store_rows(bf16* dst, int64_t stride, const float (&acc)[DB / 8][4],
+                                           const int (&row)[2], const float (&mul)[2], int nrows, int ncols, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row[r] < 0 || row[r] >= nrows) continue;
+    bf16* out = dst + (int64_t)row[r] * stride;
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int d = nt * 8 + 2 * t + c;
+        if (d < ncols) out[d] = __float2bfloat16(acc[nt][2 * r + c] * mul[r]);
+      }
+  }
+}
+
 }  // namespace hax::ops::cuda::mma
 
 // Runs `body` with `constexpr int DB` = the smallest of 16, 32, 64, 128 that holds both head dims

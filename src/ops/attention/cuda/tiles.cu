@@ -78,25 +78,6 @@ __device__ __forceinline__ void block_queries(int32_t* rows, const AttentionPara
   }
 }
 
-// Writes rows[r] of a (16, DB) accumulator (the thread's rows r0+g, r0+g+8) times mul[r] into
-// dst (row stride `stride`, columns < ncols); rows < 0 are skipped.
-template <int DB>
-__device__ __forceinline__ void store_rows_at(bf16* dst, int64_t stride, const float (&acc)[DB / 8][4],
-                                              const int (&row)[2], const float (&mul)[2], int ncols, int t) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (row[r] < 0) continue;
-    bf16* out = dst + (int64_t)row[r] * stride;
-#pragma unroll
-    for (int nt = 0; nt < DB / 8; ++nt)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int d = nt * 8 + 2 * t + c;
-        if (d < ncols) out[d] = __float2bfloat16(acc[nt][2 * r + c] * mul[r]);
-      }
-  }
-}
-
 // acc[nt][2r..2r+1] (columns nt*8 + 2t, +1 of row `row`) times mul, added to the float32 array
 // dst (row stride `stride`, columns < ncols) with atomics, two at a time where aligned.
 template <int DB>
@@ -282,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
     inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;  // an empty list outputs 0
     row[r] = bs.rows[rr[r]];
   }
-  store_rows_at<DB>((bf16*)p.out + ((int64_t)b * z.L * z.H + h) * z.Dv, sv, o, row, inv, z.Dv, t);
+  store_rows<DB>((bf16*)p.out + ((int64_t)b * z.L * z.H + h) * z.Dv, sv, o, row, inv, z.L, z.Dv, t);
   float* lse = (float*)p.lse + bh * z.L;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -303,6 +284,47 @@ __device__ __forceinline__ void load_block_q_do(bf16* sQ, bf16* sdO, BlockShared
                  z.vec_v);
 }
 
+// What both backward tile kernels set up for their block: the shared-memory tiles (sQ, sdO, then
+// the key tiles sK, sV), the block's place, the thread's place in its warp's fragments, the rows
+// of k and v of its (b, h) and its mask words; load() brings in its queries' q and dout rows.
+template <int DB, bool kAsync>
+struct GradBlock {
+  using C = Cfg<DB, kAsync>;
+  static constexpr int S = C::S;
+  bf16 *sQ, *sdO, *sK, *sV;
+  int64_t bh, blk, b, h, sqk, sv, off_k, off_v;
+  int g, t, r0;
+  const bf16 *k, *v;
+  const unsigned long long* mask;
+
+  __device__ GradBlock(uint4* smem, const AttentionGradParams& gp, const AttentionTilePlan& plan, const Sizes& z) {
+    sQ = reinterpret_cast<bf16*>(smem);
+    sdO = sQ + kQ * S;
+    sK = sdO + kQ * S;
+    sV = sK + C::NB * kTK * S;
+    bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
+    const int lane = threadIdx.x % 32;
+    g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
+    sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
+    off_k = (b * z.Lk * z.H + h) * z.D, off_v = (b * z.Lk * z.H + h) * z.Dv;
+    k = (const bf16*)gp.fwd.k + off_k;
+    v = (const bf16*)gp.fwd.v + off_v;
+    mask = reinterpret_cast<const unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
+  }
+
+  __device__ void load(BlockShared& bs, const AttentionGradParams& gp, const Sizes& z) {
+    load_block_q_do<S, DB>(sQ, sdO, bs, gp, z, bh, blk);
+  }
+
+  // The block's key tiles streamed into sK, sV (with the mask words when with_mask).
+  __device__ TileStream<S, kAsync> stream(BlockShared& bs, const AttentionGradParams& gp, const AttentionTilePlan& plan,
+                                          const Sizes& z, int ntiles, bool with_mask) const {
+    return TileStream<S, kAsync>{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+                                 gp.fwd.bias ? (const bf16*)gp.fwd.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB,
+                                 ntiles, z.vec_qk, z.vec_v, with_mask};
+  }
+};
+
 // dq of the block's queries: S = Q K^T, dP = dO V^T, dS = P (dP - Δ), dQ += dS K over the tiles.
 template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads)
@@ -313,21 +335,15 @@ __global__ void __launch_bounds__(kThreads)
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;
   extern __shared__ uint4 smem_u4[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
-  bf16* sdO = sQ + kQ * S;
-  bf16* sK = sdO + kQ * S;
-  bf16* sV = sK + C::NB * kTK * S;
   __shared__ BlockShared bs;
-  const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
-  const int64_t sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
+  GradBlock<DB, kAsync> gb(smem_u4, gp, plan, z);
+  const int64_t bh = gb.bh, b = gb.b, h = gb.h, sqk = gb.sqk;
+  const int g = gb.g, t = gb.t, r0 = gb.r0;
+  const bf16 *sQ = gb.sQ, *sdO = gb.sdO;
+  const unsigned long long* mask = gb.mask;
   const int64_t off_q = ((int64_t)b * z.L * z.H + h) * z.D;
-  const bf16* k = (const bf16*)p.k + ((int64_t)b * z.Lk * z.H + h) * z.D;
-  const bf16* v = (const bf16*)p.v + ((int64_t)b * z.Lk * z.H + h) * z.Dv;
-  const unsigned long long* mask =
-      reinterpret_cast<const unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
 
-  load_block_q_do<S, DB>(sQ, sdO, bs, gp, z, bh, blk);
+  gb.load(bs, gp, z);
   __shared__ float sDl[kQ];
   block_delta(sDl, gp, z, bs.rows, b, h, bh);
   __syncthreads();
@@ -344,9 +360,7 @@ __global__ void __launch_bounds__(kThreads)
 
   float acc[DT][4] = {};
   const int ntiles = (count + kTK - 1) / kTK;
-  TileStream<S, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
-                           p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB, ntiles,
-                           z.vec_qk, z.vec_v, false};
+  TileStream<S, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, false);
   ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
     const unsigned long long bits[2] = {mask[tt * kQ + rr[0]], mask[tt * kQ + rr[1]]};
@@ -367,7 +381,7 @@ __global__ void __launch_bounds__(kThreads)
     ts.end();
   }
   const float scale[2] = {z.scale, z.scale};
-  store_rows_at<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.D, t);
+  store_rows<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
 }
 
 // dk, dv, dbias contributions of the block: per tile, keys as rows and the block's queries as
@@ -381,25 +395,17 @@ __global__ void __launch_bounds__(kThreads)
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;
   extern __shared__ uint4 smem_u4[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
-  bf16* sdO = sQ + kQ * S;
-  bf16* sK = sdO + kQ * S;
-  bf16* sV = sK + C::NB * kTK * S;
   __shared__ BlockShared bs;
   __shared__ float sLse2[kQ], sDl[kQ];
-  const int64_t bh = blockIdx.x / z.nblk, blk = blockIdx.x % z.nblk, b = bh / z.H, h = bh % z.H;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
-  const int64_t sqk = (int64_t)z.H * z.D, sv = (int64_t)z.H * z.Dv;
-  const int64_t off_k = ((int64_t)b * z.Lk * z.H + h) * z.D, off_v = ((int64_t)b * z.Lk * z.H + h) * z.Dv;
-  const bf16* k = (const bf16*)p.k + off_k;
-  const bf16* v = (const bf16*)p.v + off_v;
-  const unsigned long long* mask =
-      reinterpret_cast<const unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
-  float* dk_acc = (float*)gp.dk + off_k;
-  float* dv_acc = (float*)gp.dv + off_v;
+  GradBlock<DB, kAsync> gb(smem_u4, gp, plan, z);
+  const int64_t bh = gb.bh, b = gb.b, h = gb.h, sqk = gb.sqk, sv = gb.sv;
+  const int g = gb.g, t = gb.t, r0 = gb.r0;
+  const bf16 *sQ = gb.sQ, *sdO = gb.sdO;
+  float* dk_acc = (float*)gp.dk + gb.off_k;
+  float* dv_acc = (float*)gp.dv + gb.off_v;
   float* db_acc = gp.dbias ? (float*)gp.dbias + bh * z.Lk : nullptr;
 
-  load_block_q_do<S, DB>(sQ, sdO, bs, gp, z, bh, blk);
+  gb.load(bs, gp, z);
   for (int c = threadIdx.x; c < kQ; c += kThreads) {
     const int i = bs.rows[c];
     const float lse = i >= 0 ? ((const float*)p.lse)[bh * z.L + i] : -INFINITY;
@@ -409,9 +415,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool pairs_k = z.D % 2 == 0, pairs_v = z.Dv % 2 == 0;
 
   const int ntiles = (count + kTK - 1) / kTK;
-  TileStream<S, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
-                           p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB, ntiles,
-                           z.vec_qk, z.vec_v, true};
+  TileStream<S, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
   ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
     const int buf = ts.begin(tt);

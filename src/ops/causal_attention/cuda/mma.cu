@@ -46,25 +46,6 @@ struct VecLoads {
 
 inline bool aligned16(const void* ptr) { return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// Writes rows row[0], row[1] of a (16, DB) accumulator times `mul[r]` to dst (row stride `stride`,
-// columns < ncols, rows < L).
-template <int DB>
-__device__ __forceinline__ void store_rows(bf16* dst, int64_t stride, const float (&acc)[DB / 8][4],
-                                           const int (&row)[2], const float (&mul)[2], int L, int ncols, int t) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (row[r] >= L) continue;
-    bf16* out = dst + (int64_t)row[r] * stride;
-#pragma unroll
-    for (int nt = 0; nt < DB / 8; ++nt)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int d = nt * 8 + 2 * t + c;
-        if (d < ncols) out[d] = __float2bfloat16(acc[nt][2 * r + c] * mul[r]);
-      }
-  }
-}
-
 // kAsync (16-byte rows: head dims multiples of 8, aligned tensors): the next column tile is
 // copied with cp.async into a second buffer while the current one is computed on; otherwise each
 // tile is loaded, then computed on.
