@@ -63,11 +63,20 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
   return lists;
 }
 
+namespace {
+
+// The union of every part's lists (q_order: the first part's that has one).
+patterns::KeyLists merge_parts(const std::vector<patterns::KeyLists>& parts) {
+  patterns::KeyLists all = parts.at(0);
+  for (size_t i = 1; i < parts.size(); ++i) all = patterns::merge(all, parts[i]);
+  return all;
+}
+
+}  // namespace
+
 patterns::KeyLists SparseAttentionBranch::key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
                                                     const ForwardContext* ctx, at::Tensor* ks_scores) {
-  patterns::KeyLists all;
-  for (const auto& p : part_lists(q, k, seq_idx, ctx, ks_scores)) all = all.idx.defined() ? patterns::merge(all, p) : p;
-  return all;
+  return merge_parts(part_lists(q, k, seq_idx, ctx, ks_scores));
 }
 
 at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tensor& q, const at::Tensor& k,
@@ -112,8 +121,7 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     auto [o2, lse2] = ops::sparse_attention(q, k, vh, rest.idx, {}, {}, {}, 1.0);
     return ops::join_by_lse(o1, lse1, o2, lse2);
   }
-  patterns::KeyLists lists = parts[0];
-  for (size_t i = 1; i < parts.size(); ++i) lists = patterns::merge(lists, parts[i]);
+  patterns::KeyLists lists = merge_parts(parts);
   if (ctx && ctx->record) {
     PatternRecord rec{lists, {}, {}, scores.defined() ? scores.detach() : scores};
     if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {

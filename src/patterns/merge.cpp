@@ -15,18 +15,24 @@ int64_t count_listed(const int32_t* list, int64_t k) {
   return n;
 }
 
+// Both lists int32 (B, H, L, K*) with the same (B, H, L).
+void check_pair(const char* op, const KeyLists& a, const KeyLists& b) {
+  ops::check_rank(op, "a.idx", a.idx, 4, "(B, H, L, Ka)");
+  ops::check_rank(op, "b.idx", b.idx, 4, "(B, H, L, Kb)");
+  HAX_CHECK(a.idx.scalar_type() == at::kInt, "{}: a.idx has dtype {} but must be int32", op,
+            c10::toString(a.idx.scalar_type()));
+  HAX_CHECK(b.idx.scalar_type() == at::kInt, "{}: b.idx has dtype {} but must be int32", op,
+            c10::toString(b.idx.scalar_type()));
+  ops::check_shape(op, "b.idx", b.idx, {a.idx.size(0), a.idx.size(1), a.idx.size(2), b.idx.size(3)},
+                   "(B, H, L, Kb) with a.idx's (B, H, L)");
+}
+
 }  // namespace
 
 KeyLists merge(const KeyLists& a, const KeyLists& b) {
   constexpr const char* kOp = "merge";
-  ops::check_rank(kOp, "a.idx", a.idx, 4, "(B, H, L, Ka)");
-  ops::check_rank(kOp, "b.idx", b.idx, 4, "(B, H, L, Kb)");
-  HAX_CHECK(a.idx.scalar_type() == at::kInt, "{}: a.idx has dtype {} but must be int32", kOp,
-            c10::toString(a.idx.scalar_type()));
-  HAX_CHECK(b.idx.scalar_type() == at::kInt, "{}: b.idx has dtype {} but must be int32", kOp,
-            c10::toString(b.idx.scalar_type()));
+  check_pair(kOp, a, b);
   const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2), Ka = a.idx.size(3), Kb = b.idx.size(3);
-  ops::check_shape(kOp, "b.idx", b.idx, {B, H, L, Kb}, "(B, H, L, Kb) with a.idx's (B, H, L)");
   if (a.idx.is_cuda()) {
     ops::check_backend(kOp, "a.idx", a.idx);
     return {detail::merge_device(a.idx, b.idx), a.q_order.defined() ? a.q_order : b.q_order};
@@ -67,13 +73,8 @@ KeyLists merge(const KeyLists& a, const KeyLists& b) {
 
 KeyLists exclude(const KeyLists& a, const KeyLists& b) {
   constexpr const char* kOp = "exclude";
-  ops::check_rank(kOp, "a.idx", a.idx, 4, "(B, H, L, Ka)");
-  ops::check_rank(kOp, "b.idx", b.idx, 4, "(B, H, L, Kb)");
-  HAX_CHECK(a.idx.scalar_type() == at::kInt && b.idx.scalar_type() == at::kInt,
-            "{}: a.idx and b.idx must be int32 (got {} and {})", kOp, c10::toString(a.idx.scalar_type()),
-            c10::toString(b.idx.scalar_type()));
+  check_pair(kOp, a, b);
   const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2), Ka = a.idx.size(3), Kb = b.idx.size(3);
-  ops::check_shape(kOp, "b.idx", b.idx, {B, H, L, Kb}, "(B, H, L, Kb) with a.idx's (B, H, L)");
   // Computed on the CPU for any device (the CPU attention is its user).
   const at::Tensor x = a.idx.to(at::kCPU).contiguous(), y = b.idx.to(at::kCPU).contiguous();
   at::Tensor idx = at::empty({B, H, L, Ka}, at::TensorOptions().dtype(at::kInt));  // every entry written below
