@@ -1,4 +1,5 @@
 #include "bench/train_bench.h"
+#include "bench/op_counts.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -104,11 +105,24 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double ms = 1e3 * sec / cfg.steps;
     const int64_t peak = gpu ? cuda_peak_memory_bytes() : -1;
+    nlohmann::json row = {{"variant", variant}, {"params", nparams}, {"ms_per_step", ms},
+                          {"steps_per_s", 1e3 / ms}, {"peak_bytes", peak}};
+    std::string op_table;
+    if (cfg.op_counts > 0) {
+      OpCounter counter;
+      for (int64_t s = 0; s < 2; ++s) step(s);
+      if (!metrics.empty()) (void)at::stack(metrics).cpu();
+      if (gpu) cuda_synchronize();
+      op_table = counter.table(cfg.op_counts, 2);
+      int64_t leaves = 0;
+      for (auto& [k, n] : counter.leaves()) leaves += n;
+      row["operator_leaves_per_step"] = leaves / 2;
+    }
     fmt::print("{:<14} {:>10} {:>10.2f} {:>12.1f} {:>10}\n", variant, nparams, ms, 1e3 / ms,
                peak >= 0 ? fmt::format("{:.1f}", peak / 1e6) : std::string("-"));
+    if (!op_table.empty()) fmt::print("{}", op_table);
     std::fflush(stdout);
-    report["results"].push_back({{"variant", variant}, {"params", nparams}, {"ms_per_step", ms},
-                                 {"steps_per_s", 1e3 / ms}, {"peak_bytes", peak}});
+    report["results"].push_back(row);
   }
   ops::set_check_device_values(checks_were);
   return report;

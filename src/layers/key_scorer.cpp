@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/rng.h"
+#include "ops/ranking_loss/ranking_loss.h"
 #include "patterns/internal.h"
 
 namespace hax {
@@ -84,13 +85,22 @@ void prefix_direction_cpu(const at::Tensor& q, const at::Tensor& seq, at::Tensor
 }  // namespace
 
 at::Tensor prefix_query_direction(const at::Tensor& q0, const at::Tensor& seq_idx) {
+  constexpr const char* kOp = "prefix_query_direction";
+  ops::check_rank(kOp, "q", q0, 4, "(B, L, H, N)");
   at::Tensor q = q0.detach();
+  // CUDA: the chunked-scan kernels of patterns/cuda/prefix_direction.cu (at most 3 launches, no
+  // wait on the host) for float32 and bfloat16; the tensor formula for other dtypes and N.
+  if (q.is_cuda() && ops::cuda_backend_built() &&
+      (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.size(3) <= patterns::kPrefixMaxN) {
+    const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, q.size(0), q.size(1));
+    return patterns::detail::prefix_direction_device(q, seq, kDirectionEps);
+  }
   if (!q.device().is_cpu() || !(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble)) {
     at::Tensor qs = segment_cumsum(q, seq_idx);
     return (qs / qs.norm(2, -1, true).clamp_min(kDirectionEps)).to(q.scalar_type());
   }
   q = q.contiguous();
-  const at::Tensor seq = ops::check_seq_idx("prefix_query_direction", seq_idx, q.size(0), q.size(1));
+  const at::Tensor seq = ops::check_seq_idx(kOp, seq_idx, q.size(0), q.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kDouble)
     prefix_direction_cpu<double>(q, seq, out);
@@ -123,27 +133,8 @@ at::Tensor KeyScorer::forward(const at::Tensor& k, const at::Tensor& q, const at
 
 at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
                            const at::Tensor& valid, const at::Tensor& cand) {
-  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), N = q.size(3), C = cand.size(1);
-  at::Tensor x = scores.gather(1, cand.unsqueeze(-1).expand({B, C, H}));  // (B, C, H) predicted
-  at::Tensor y;
-  {
-    torch::NoGradGuard ng;
-    at::Tensor kc = k.gather(1, cand.view({B, C, 1, 1}).expand({B, C, H, N}));  // (B, C, H, N)
-    at::Tensor s = at::einsum("blhn,bchn->bhlc", {q, kc}).sigmoid();            // (B, H, L, C)
-    at::Tensor pos = at::arange(L, cand.options()).view({1, 1, L, 1});
-    at::Tensor keep = pos >= cand.view({B, 1, 1, C});
-    if (seq_idx.defined()) {
-      at::Tensor sq = seq_idx.to(at::kLong).to(cand.device());
-      at::Tensor sc = sq.gather(1, cand);
-      keep = keep & (sq.view({B, 1, L, 1}) == sc.view({B, 1, 1, C}));
-    }
-    if (valid.defined()) keep = keep & valid.to(at::kBool).view({B, 1, L, 1});
-    y = (s * keep.to(s.scalar_type())).sum(2).transpose(1, 2);  // (B, C, H)
-  }
-  at::Tensor logits = x.unsqueeze(2) - x.unsqueeze(1);  // (B, C, C, H): x_a - x_b
-  at::Tensor ya = y.unsqueeze(2), yb = y.unsqueeze(1);
-  at::Tensor target = ((ya > yb).to(x.scalar_type()) + (ya >= yb).to(x.scalar_type())) / 2;
-  return at::binary_cross_entropy_with_logits(logits, target);
+  // The fused kernels on CUDA, ops::ranking_loss_reference (LibTorch ops) on the CPU.
+  return ops::ranking_loss_fused(scores, q, k, seq_idx, valid, cand);
 }
 
 at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,

@@ -27,7 +27,8 @@ at::Tensor segment_cumsum(const at::Tensor& x, const at::Tensor& seq_idx);
 constexpr double kDirectionEps = 1e-12;  // normalize divides by max(|v|, kDirectionEps)
 
 // The scorer's query input, without gradient: normalize(segment_cumsum(q)) for q (B, L, H, N).
-// One fused pass on the CPU (float32/float64), the tensor formula elsewhere.
+// One fused pass on the CPU (float32/float64); on CUDA (float32/bfloat16, N <= 256) the chunked
+// scan of patterns/cuda/prefix_direction.cu (at most 3 launches); the tensor formula otherwise.
 at::Tensor prefix_query_direction(const at::Tensor& q, const at::Tensor& seq_idx);
 
 // The ranking loss of the scores (B, L, H) against q, k (B, L, H, N): `candidates` distinct
@@ -39,7 +40,8 @@ at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at:
                         const at::Tensor& valid_host = at::Tensor());
 
 // The loss for given candidate positions cand (B, C) int64 (all rows the same count): the
-// formula above, written directly. Exposed for tests.
+// formula above, through ops::ranking_loss_fused (fused kernels on CUDA, the LibTorch formula
+// ops::ranking_loss_reference on the CPU). Exposed for tests.
 at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
                            const at::Tensor& valid, const at::Tensor& cand);
 

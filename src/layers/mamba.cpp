@@ -48,14 +48,14 @@ MambaMixer::MambaMixer(const ModelConfig& c, int64_t layer)
 at::Tensor MambaMixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state,
                                ForwardContext* ctx) {
   const int64_t B = x.size(0), L = x.size(1);
-  at::Tensor xz = project(in_proj, x);
-  at::Tensor xin = xz.narrow(-1, 0, d_inner_), z = xz.narrow(-1, d_inner_, d_inner_);
+  const auto xz = split_last(project(in_proj, x), {d_inner_, d_inner_});
+  const at::Tensor &xin = xz[0], &z = xz[1];
   auto [xc, conv_final] = ops::causal_conv1d(xin, conv_weight.view({d_inner_, W_}), conv_bias,
                                              state ? state->conv : at::Tensor(), seq_idx, /*silu=*/true);
-  at::Tensor xdbl = project(x_proj, xc);
-  at::Tensor delta = at::softplus(project(dt_proj, xdbl.narrow(-1, 0, R_)));
-  at::Tensor Bm = xdbl.narrow(-1, R_, N_).reshape({B, L, 1, N_});
-  at::Tensor Cm = xdbl.narrow(-1, R_ + N_, N_).reshape({B, L, 1, N_});
+  const auto xdbl = split_last(project(x_proj, xc), {R_, N_, N_});
+  at::Tensor delta = at::softplus(project(dt_proj, xdbl[0]));
+  at::Tensor Bm = xdbl[1].reshape({B, L, 1, N_});
+  at::Tensor Cm = xdbl[2].reshape({B, L, 1, N_});
   auto [y, ssm_final] =
       ops::selective_scan(xc, delta, -at::exp(A_log), Bm, Cm, state ? state->ssm : at::Tensor(), seq_idx);
   y = y + xc * D;

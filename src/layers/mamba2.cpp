@@ -48,8 +48,8 @@ Mamba2Mixer::Mamba2Mixer(const ModelConfig& c, int64_t layer)
 
 Mamba2Mixer::Projected Mamba2Mixer::project_input(const at::Tensor& x) {
   at::Tensor zxbcdt = project(in_proj, x);
-  const int64_t cd = conv_dim();
-  return {zxbcdt.narrow(-1, 0, d_inner_), zxbcdt.narrow(-1, d_inner_, cd), zxbcdt.narrow(-1, d_inner_ + cd, H_)};
+  auto parts = split_last(zxbcdt, {d_inner_, conv_dim(), H_});
+  return {parts[0], parts[1], parts[2]};
 }
 
 at::Tensor Mamba2Mixer::qk_input(const at::Tensor& xBC) const {
@@ -63,15 +63,16 @@ at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, 
   at::Tensor conv_init = state ? state->conv : at::Tensor();
   auto [xBC, conv_final] =
       ops::causal_conv1d(pr.xBC, conv_weight.view({conv_dim(), W_}), conv_bias, conv_init, seq_idx, /*silu=*/true);
-  at::Tensor xflat = xBC.narrow(-1, 0, d_inner_);
+  const auto xbc = split_last(xBC, {d_inner_, G_ * N_, G_ * N_});
+  const at::Tensor& xflat = xbc[0];
   at::Tensor xs = xflat.view({B, L, H_, P_});
-  at::Tensor Bm = xBC.narrow(-1, d_inner_, G_ * N_).view({B, L, G_, N_});
-  at::Tensor Cm = xBC.narrow(-1, d_inner_ + G_ * N_, G_ * N_).view({B, L, G_, N_});
+  at::Tensor Bm = xbc[1].view({B, L, G_, N_});
+  at::Tensor Cm = xbc[2].view({B, L, G_, N_});
   at::Tensor dt = at::softplus(pr.dt + dt_bias);
   at::Tensor A = -at::exp(A_log);
   auto [y, ssm_final] = ops::ssd(xs, dt, A, Bm, Cm, state ? state->ssm : at::Tensor(), seq_idx, chunk_);
   y = (y + xs * D.view({1, 1, H_, 1})).reshape({B, L, d_inner_});
-  if (sparse) y = y + sparse->forward(qk_input(xBC), xflat, seq_idx, ctx);
+  if (sparse) y = y + sparse->forward(qk_from_xbc_ ? xBC : xflat, xflat, seq_idx, ctx);
   y = ops::rmsnorm(y, pr.z, norm_weight, eps_, d_inner_ / G_);
   if (state) {
     state->conv = conv_final;

@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <vector>
+
 #include "ops/linear/linear.h"
 
 namespace hax {
@@ -10,6 +12,13 @@ namespace hax {
 // x (..., in) -> (..., out)
 inline at::Tensor project(const torch::nn::Linear& l, const at::Tensor& x) {
   return ops::linear(x, l->weight, l->bias);
+}
+
+// x split along its last dim into consecutive parts of the given sizes (views). Unlike one narrow
+// per part, whose backward zero-fills a whole-size gradient per part and adds them up, the parts'
+// gradients are joined by one concatenation.
+inline std::vector<at::Tensor> split_last(const at::Tensor& x, std::vector<int64_t> sizes) {
+  return at::split_with_sizes(x, sizes, -1);
 }
 
 // relu(project(l, x)), fused on the CPU.

@@ -27,9 +27,9 @@ SparseAttentionBranch::SparseAttentionBranch(const ModelConfig& c, int64_t qk_in
 
 std::pair<at::Tensor, at::Tensor> SparseAttentionBranch::queries_keys(const at::Tensor& qk_in) {
   const int64_t B = qk_in.size(0), L = qk_in.size(1);
-  at::Tensor kq = project(qk_proj, qk_in);
-  at::Tensor k = kq.narrow(-1, 0, H_ * N_).reshape({B, L, H_, N_}) / std::sqrt((double)N_);
-  at::Tensor q = kq.narrow(-1, H_ * N_, H_ * N_).reshape({B, L, H_, N_});
+  const auto kq = split_last(project(qk_proj, qk_in), {H_ * N_, H_ * N_});
+  at::Tensor k = kq[0].reshape({B, L, H_, N_}) / std::sqrt((double)N_);
+  at::Tensor q = kq[1].reshape({B, L, H_, N_});
   return {q, k};
 }
 

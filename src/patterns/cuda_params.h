@@ -171,4 +171,34 @@ struct TopKChunksParams {
 };
 void top_k_chunks_cuda(const TopKChunksParams& p, DType dtype, void* stream);
 
+// ---------------------------------------------------------------------------------------------
+// Key Selection's query direction: out[b, i, h] = normalize(Σ_{p = start..i} q[b, p, h]) with
+// normalize(v) = v / max(|v|_2, eps) and start the first position of i's packed sequence (a run
+// of equal seq numbers). A segmented scan in float32 over chunks of positions (see
+// patterns/cuda/prefix_direction.cu).
+constexpr int64_t kPrefixMaxN = 256;  // the largest N of the kernels (8 columns per lane of a warp)
+// Positions per chunk: 64, or 32 or 16 where B·H·chunks would leave the GPU with few warps (a warp
+// walks a chunk position by position).
+HAX_HOST_DEVICE inline int64_t prefix_chunk(int64_t B, int64_t H, int64_t L) {
+  int64_t T = 64;
+  while (T > 16 && B * H * ((L + T - 1) / T) < 2048) T /= 2;
+  return T;
+}
+HAX_HOST_DEVICE inline int64_t prefix_chunks(int64_t L, int64_t chunk) { return (L + chunk - 1) / chunk; }
+
+struct PrefixDirectionParams {
+  int64_t B = 0, L = 0, H = 0, N = 0;    // q's shape (B, L, H, N), N <= kPrefixMaxN
+  int64_t chunk = 64;                    // positions per chunk: prefix_chunk(B, H, L)
+  float eps = 0;                         // the norm's floor (1e-12)
+  const void* q = nullptr;               // (B, L, H, N) float32 or bfloat16 (the launcher's dtype)
+  int64_t q_sb = 0, q_sl = 0, q_sh = 0;  // q's strides (elements) of b, position and head; n's is 1
+  const int32_t* seq = nullptr;          // (B, L) sequence numbers (a new sequence where they change), or null (one per row)
+  // Workspace, with nC = prefix_chunks(L, chunk); null when nC = 1.
+  float* totals = nullptr;    // (B, H, nC, N): each chunk's sum since its last sequence start (then, for
+                              // long rows, the running sum before the chunk: its carry)
+  int32_t* resets = nullptr;  // (B, nC): 1 where a sequence starts in the chunk
+  void* out = nullptr;        // out (B, L, H, N) contiguous, q's dtype
+};
+void prefix_direction_cuda(const PrefixDirectionParams& p, DType dtype, void* stream);
+
 }  // namespace hax::patterns

@@ -207,6 +207,30 @@ at::Tensor top_k_chunks_device(const at::Tensor& q_ret, const at::Tensor& landma
   return out;
 }
 
+at::Tensor prefix_direction_device(const at::Tensor& q0, const at::Tensor& seq, double eps) {
+  // Any strides of (b, position, head) (q is a view of the joint q/k projection): no copy unless n is strided.
+  const at::Tensor q = q0.stride(3) == 1 || q0.size(3) == 1 ? q0.detach() : q0.detach().contiguous();
+  const at::Device dev = q.device();
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), N = q.size(3);
+  const int64_t chunk = prefix_chunk(B, H, L), nC = prefix_chunks(L, chunk);
+  HAX_CHECK(N <= kPrefixMaxN, "prefix_query_direction: N = {} is above the CUDA kernel's {}", N, kPrefixMaxN);
+  at::Tensor out = ops::new_output(q.sizes(), q.options());
+  if (out.numel() == 0) return out;
+  const at::Tensor s = seq.defined() ? seq.to(dev, at::kInt).contiguous() : seq;
+  // Rows of one chunk need no carries (the direction kernel alone).
+  const at::Tensor totals = nC > 1 ? at::empty({B, H, nC, N}, q.options().dtype(at::kFloat)) : at::Tensor();
+  const at::Tensor resets = nC > 1 ? at::empty({B, nC}, int32_on(dev)) : at::Tensor();
+  PrefixDirectionParams p;
+  p.B = B, p.L = L, p.H = H, p.N = N, p.chunk = chunk, p.eps = (float)eps;
+  p.q = q.data_ptr(), p.q_sb = q.stride(0), p.q_sl = q.stride(1), p.q_sh = q.stride(2);
+  p.seq = s.defined() ? s.data_ptr<int32_t>() : nullptr;
+  p.totals = nC > 1 ? totals.data_ptr<float>() : nullptr;
+  p.resets = nC > 1 ? resets.data_ptr<int32_t>() : nullptr;
+  p.out = out.data_ptr();
+  prefix_direction_cuda(p, ops::kernel_dtype(q), stream_of(out));
+  return out;
+}
+
 }  // namespace hax::patterns::detail
 
 #else  // no CUDA kernels: the builders reject CUDA tensors and devices before reaching these
@@ -235,6 +259,7 @@ ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, co
 at::Tensor top_k_chunks_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_kernels();
 }
+at::Tensor prefix_direction_device(const at::Tensor&, const at::Tensor&, double) { no_kernels(); }
 }  // namespace hax::patterns::detail
 
 #endif  // HAX_CUDA_KERNELS

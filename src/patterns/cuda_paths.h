@@ -49,4 +49,9 @@ ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::T
 at::Tensor top_k_chunks_device(const at::Tensor& q_ret, const at::Tensor& landmarks, const at::Tensor& lo,
                                const at::Tensor& hi, int64_t k);
 
+// Key Selection's query direction normalize(Σ_{p = start..i} q_p) of q (B, L, H, N) (float32 or
+// bfloat16, N <= kPrefixMaxN, any strides of b, position and head), with the norm floored at eps;
+// seq: the checked seq_idx (int32, any device) or undefined. (B, L, H, N) in q's dtype on its device.
+at::Tensor prefix_direction_device(const at::Tensor& q, const at::Tensor& seq, double eps);
+
 }  // namespace hax::patterns::detail

@@ -98,6 +98,7 @@ struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
     auto present = [](const at::Tensor& t) { return !(t.dim() == 1 && t.numel() == 0); };
     if (!present(bias)) bias = at::Tensor();
     if (!present(init)) init = at::Tensor();
+    x = x.contiguous();  // once: the forward and the saved copy share it
     if (!present(seq_idx)) seq_idx = at::Tensor();
     auto [out, fin] = causal_conv1d_forward(x, weight, bias, init, seq_idx, silu);
     at::Tensor seq = seq_on_device(seq_idx, x, {x.size(0), x.size(1), x.size(2), weight.size(1)});

@@ -77,6 +77,9 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
                                int64_t group_size, bool has_z) {
     // An absent z arrives as an empty tensor (LibTorch's autograd needs defined ones).
     if (!has_z) z = at::Tensor();
+    // Contiguous once here: the forward and the saved copies share them.
+    x = x.contiguous();
+    if (has_z) z = z.contiguous();
     auto [out, rstd] = rmsnorm_forward(x, z, weight, eps, group_size);
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["group_size"] = group_size;
@@ -99,7 +102,11 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     gp.fwd.rstd = rstd.data_ptr();
     at::Tensor dx = new_output_like(x), dz = has_z ? new_output_like(z) : at::Tensor();
     // dweight is reduced in float32 on CUDA, in x's dtype on the CPU.
-    at::Tensor dweight = at::zeros(weight.sizes(), x.is_cuda() ? weight.options().dtype(at::kFloat) : weight.options());
+    // (The CUDA kernels write every entry when there are rows.)
+    const bool cuda_writes = x.is_cuda() && d.M * d.D > 0;
+    at::Tensor dweight = cuda_writes ? new_output(weight.sizes(), weight.options().dtype(at::kFloat))
+                                     : at::zeros(weight.sizes(), x.is_cuda() ? weight.options().dtype(at::kFloat)
+                                                                             : weight.options());
     gp.dout = dout.data_ptr();
     gp.dx = dx.data_ptr(), gp.dz = has_z ? dz.data_ptr() : nullptr, gp.dweight = dweight.data_ptr();
     if (d.M * d.D == 0) {

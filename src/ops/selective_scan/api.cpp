@@ -116,6 +116,8 @@ struct SelectiveScanFunction : public torch::autograd::Function<SelectiveScanFun
     // Absent optional tensors arrive as empty tensors (LibTorch's autograd needs defined ones).
     if (init.numel() == 0 && init.dim() == 1) init = at::Tensor();
     if (seq_idx.numel() == 0 && seq_idx.dim() == 1) seq_idx = at::Tensor();
+    // Contiguous once here: the forward and the saved copies share them.
+    x = x.contiguous(), delta = delta.contiguous(), Bm = Bm.contiguous(), Cm = Cm.contiguous();
     auto [y, fin, ckpt] = selective_scan_forward(x, delta, A, Bm, Cm, init, seq_idx, checkpoint);
     at::Tensor seq = seq_on_device(seq_idx, x);
     ctx->saved_data["checkpoint"] = checkpoint;

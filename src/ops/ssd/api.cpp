@@ -93,6 +93,9 @@ struct SsdFunction : public torch::autograd::Function<SsdFunction> {
     // Absent optional tensors arrive as empty tensors (LibTorch's autograd needs defined ones).
     if (init.numel() == 0) init = at::Tensor();
     if (seq_idx.numel() == 0) seq_idx = at::Tensor();
+    // Contiguous once here: the forward and the saved copies share them (views of a split
+    // projection would otherwise be copied twice).
+    x = x.contiguous(), dt = dt.contiguous(), Bm = Bm.contiguous(), Cm = Cm.contiguous();
     auto [y, fin, cst] = ssd_forward(x, dt, A, Bm, Cm, init, seq_idx, chunk);
     at::Tensor seq = check_seq_idx(kOp, seq_idx, x.size(0), x.size(1));
     ctx->saved_data["chunk"] = chunk;

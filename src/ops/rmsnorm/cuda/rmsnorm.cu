@@ -1,8 +1,8 @@
 // CUDA kernels of the (gated) RMSNorm; cpu.cpp is the reference and the formulas' home.
 //
 // Forward and the dx/dz part of the backward: one warp per (row, group), float32 math.
-// dweight: each block of kRowsPerPart rows writes a float32 partial per column, and one thread
-// per column sums the partials in order (deterministic, no atomics).
+// dweight: each block of kRowsPerPart rows writes a float32 partial per column, and a block per 32
+// columns sums the partials in a fixed order (deterministic, no atomics).
 #include "ops/cuda/common.cuh"
 #include "ops/rmsnorm/params.h"
 
@@ -103,12 +103,23 @@ __global__ void dweight_partial_kernel(RmsNormGradParams gp, float* partial) {
   partial[part * p.dim + c] = acc;
 }
 
+// out[c] = Σ_k partial[k, c] over the parts in a fixed order: a block of 32 columns x kSumRows
+// threads, thread (c, r) summing parts r, r + kSumRows, ..., then the kSumRows sums added in order.
+constexpr int kSumRows = 16;
 __global__ void sum_parts_kernel(const float* partial, int64_t parts, int64_t dim, float* out) {
-  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= dim) return;
+  __shared__ float sums[kSumRows][33];
+  const int cx = threadIdx.x % 32, r = threadIdx.x / 32;
+  const int64_t c = (int64_t)blockIdx.x * 32 + cx;
   float acc = 0;
-  for (int64_t k = 0; k < parts; ++k) acc += partial[k * dim + c];
-  out[c] = acc;
+  if (c < dim)
+    for (int64_t k = r; k < parts; k += kSumRows) acc += partial[k * dim + c];
+  sums[r][cx] = acc;
+  __syncthreads();
+  if (r == 0 && c < dim) {
+    float total = 0;
+    for (int i = 0; i < kSumRows; ++i) total += sums[i][cx];
+    out[c] = total;
+  }
 }
 
 }  // namespace
@@ -134,7 +145,7 @@ void rmsnorm_backward_cuda(const RmsNormGradParams& gp, DType dtype, void* strea
   float* partial = (float*)gp.workspace;  // (parts, D), see rmsnorm_cuda_workspace
   const dim3 pgrid((unsigned)cuda::ceil_div(p.dim, 128), (unsigned)parts);
   HAX_DISPATCH_DTYPE(dtype, [&] { dweight_partial_kernel<scalar_t><<<pgrid, 128, 0, s>>>(gp, partial); });
-  sum_parts_kernel<<<(unsigned)cuda::ceil_div(p.dim, 128), 128, 0, s>>>(partial, parts, p.dim, (float*)gp.dweight);
+  sum_parts_kernel<<<(unsigned)cuda::ceil_div(p.dim, 32), 32 * kSumRows, 0, s>>>(partial, parts, p.dim, (float*)gp.dweight);
   cuda::check_launch("rmsnorm_backward_cuda (dweight)");
 }
 

@@ -1,0 +1,294 @@
+// The fused Key Selection ranking loss: the op (CPU: the LibTorch reference) against a brute-force
+// float64 loop of the definition, loss and gradient; the CUDA kernels against the CPU op in float32
+// and against float64 in bfloat16; argument errors.
+#include <cmath>
+#include <vector>
+
+#include "cuda_harness.h"
+#include "ops/check.h"
+#include "ops/ranking_loss/ranking_loss.h"
+
+using namespace hax::testing;
+using hax::ops::ranking_loss_fused;
+using hax::ops::ranking_loss_reference;
+
+namespace {
+
+struct Sizes {
+  int64_t B, L, H, N, C;
+  bool seq, valid;  // with packed sequences / invalid positions, or those arguments undefined
+};
+
+// Random inputs in `dt` on the CPU: scores (B, L, H) requiring grad, q, k (B, L, H, N), seq_idx
+// (B, L) int32 with a new sequence starting at ~4% of positions, valid (B, L) with ~10% false
+// (but position 0), cand (B, C) distinct positions drawn among all of a row's.
+struct Inputs {
+  at::Tensor scores, q, k, seq, valid, cand;
+};
+
+Inputs make_inputs(const Sizes& s, at::ScalarType dt) {
+  auto o = at::TensorOptions().dtype(dt);
+  Inputs in;
+  in.scores = (at::randn({s.B, s.L, s.H}, o) * 2).requires_grad_();
+  in.q = at::randn({s.B, s.L, s.H, s.N}, o);
+  in.k = at::randn({s.B, s.L, s.H, s.N}, o) / std::sqrt((double)s.N);
+  if (s.seq) {
+    at::Tensor start = at::rand({s.B, s.L}) < 0.04;
+    start.select(1, 0).fill_(false);
+    in.seq = start.to(at::kInt).cumsum(1).to(at::kInt);
+  }
+  if (s.valid) {
+    in.valid = at::rand({s.B, s.L}) > 0.1;
+    in.valid.select(1, 0).fill_(true);
+  }
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < s.B; ++b) rows.push_back(at::randperm(s.L, at::kLong).narrow(0, 0, s.C));
+  in.cand = at::stack(rows);
+  return in;
+}
+
+at::Tensor loss_of(const Inputs& in) { return ranking_loss_fused(in.scores, in.q, in.k, in.seq, in.valid, in.cand); }
+
+// The definition as loops in float64: the loss and d loss / d scores (B, L, H), each pair's
+// derivative added to both of its candidates (no symmetry argument).
+std::pair<double, at::Tensor> brute_force(const Inputs& in) {
+  const at::Tensor s = in.scores.detach().to(at::kDouble).contiguous(), q = in.q.to(at::kDouble).contiguous(),
+                   k = in.k.to(at::kDouble).contiguous(), cand = in.cand.contiguous();
+  const int64_t B = s.size(0), L = s.size(1), H = s.size(2), N = q.size(3), C = cand.size(1);
+  const at::Tensor seq = in.seq.defined() ? in.seq.to(at::kInt).contiguous() : at::zeros({B, L}, at::kInt);
+  const at::Tensor valid = in.valid.defined() ? in.valid.contiguous() : at::ones({B, L}, at::kBool);
+  auto sp = s.accessor<double, 3>();
+  auto qp = q.accessor<double, 4>(), kp = k.accessor<double, 4>();
+  auto seqp = seq.accessor<int32_t, 2>();
+  auto vp = valid.accessor<bool, 2>();
+  auto cp = cand.accessor<int64_t, 2>();
+  at::Tensor grad = at::zeros({B, L, H}, at::kDouble);
+  auto gp = grad.accessor<double, 3>();
+  const double count = (double)(B * C * C * H);
+  double loss = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<double> x(C), y(C, 0.0);
+      for (int64_t a = 0; a < C; ++a) {
+        const int64_t j = cp[b][a];
+        x[a] = sp[b][j][h];
+        for (int64_t l = j; l < L; ++l) {
+          if (seqp[b][l] != seqp[b][j] || !vp[b][l]) continue;
+          double dot = 0;
+          for (int64_t n = 0; n < N; ++n) dot += qp[b][l][h][n] * kp[b][j][h][n];
+          y[a] += 1.0 / (1.0 + std::exp(-dot));
+        }
+      }
+      for (int64_t a = 0; a < C; ++a)
+        for (int64_t c = 0; c < C; ++c) {
+          const double t = ((y[a] > y[c]) + (y[a] >= y[c])) / 2.0, z = x[a] - x[c];
+          loss += std::max(z, 0.0) - z * t + std::log1p(std::exp(-std::abs(z)));
+          const double d = (1.0 / (1.0 + std::exp(-z)) - t) / count;  // d / dz
+          gp[b][cp[b][a]][h] += d;
+          gp[b][cp[b][c]][h] -= d;
+        }
+    }
+  return {loss / count, grad};
+}
+
+// Awkward sizes: L in {1, 63, 97, 1025} (C = min(L, 37), and every position at L = 63), B in
+// {1, 3}, H in {1, 2}, N in {3, 16}, with and without seq_idx / valid.
+std::vector<Sizes> awkward_sizes() {
+  std::vector<Sizes> out;
+  for (int64_t L : {1, 63, 97, 1025})
+    for (int64_t B : {1, 3})
+      for (int64_t H : {1, 2})
+        for (int64_t N : {3, 16}) {
+          const bool masks = (B + H + N) % 2 == 0;  // half the shapes with seq_idx and valid
+          out.push_back({B, L, H, N, std::min<int64_t>(L, 37), masks, masks});
+          if (L == 63 && N == 3) out.push_back({B, L, H, N, L, !masks, masks});
+        }
+  return out;
+}
+
+std::string name_of(const Sizes& s) {
+  return ::testing::PrintToString(std::vector<int64_t>{s.B, s.L, s.H, s.N, s.C}) + (s.seq ? " seq" : "") +
+         (s.valid ? " valid" : "");
+}
+
+}  // namespace
+
+TEST(RankingLoss, MatchesBruteForceFloat64) {
+  torch::manual_seed(41);
+  for (const Sizes& s : awkward_sizes()) {
+    SCOPED_TRACE("B, L, H, N, C = " + name_of(s));
+    Inputs in = make_inputs(s, at::kDouble);
+    const auto [expect, expect_grad] = brute_force(in);
+    at::Tensor loss = loss_of(in);
+    EXPECT_EQ(loss.dim(), 0);
+    EXPECT_EQ(loss.scalar_type(), at::kDouble);
+    EXPECT_NEAR(loss.item<double>(), expect, 1e-12 * std::max(1.0, std::abs(expect)));
+    (loss * 0.7).backward();
+    EXPECT_LE(rel_err(in.scores.grad(), expect_grad * 0.7, 1e-14, 1e-9), 1.0);
+    if (s.C == 1) {
+      EXPECT_NEAR(loss.item<double>(), std::log(2.0), 1e-15);  // the pair (a, a) alone
+    }
+  }
+}
+
+TEST(RankingLoss, Float32CloseToFloat64) {
+  torch::manual_seed(42);
+  Inputs in = make_inputs({3, 97, 2, 16, 37, true, true}, at::kFloat);
+  const auto [expect, expect_grad] = brute_force(in);
+  at::Tensor loss = loss_of(in);
+  EXPECT_EQ(loss.scalar_type(), at::kFloat);
+  EXPECT_NEAR(loss.item<double>(), expect, 1e-5 * expect);
+  loss.backward();
+  EXPECT_LE(rel_err(in.scores.grad(), expect_grad, 1e-6 * expect_grad.abs().max().item<double>(), 1e-5), 1.0);
+}
+
+TEST(RankingLoss, BadInputsNameTheTensor) {
+  torch::manual_seed(43);
+  Inputs in = make_inputs({3, 20, 2, 4, 5, true, true}, at::kFloat);
+  auto with = [&](auto change) {  // a changed copy of `in` (cand's entries too)
+    Inputs c = in;
+    c.cand = c.cand.clone();
+    change(c);
+    return [c] { loss_of(c); };
+  };
+  expect_usage_error(with([](Inputs& c) { c.cand = c.cand.narrow(0, 0, 2); }),
+                     "ranking_loss: cand has shape [2, 5] but must be (B, C) = [3, 5]");
+  expect_usage_error(with([](Inputs& c) { c.cand = c.cand[0]; }), "cand has shape [5] but must have 2 dimensions");
+  expect_usage_error(with([](Inputs& c) { c.cand = c.cand.to(at::kInt); }), "cand has dtype Int but must be int64");
+  expect_usage_error(with([](Inputs& c) { c.cand[1][2] = 20; }),
+                     "cand[1, 2] = 20 is not a position: entries must be in [0, L = 20)");
+  expect_usage_error(with([](Inputs& c) { c.cand[2][0] = -1; }), "cand[2, 0] = -1 is not a position");
+  expect_usage_error(with([](Inputs& c) { c.cand[0][1] = c.cand[0][3].item<int64_t>(); }),
+                     "cand row 0 holds position");
+  expect_usage_error(with([](Inputs& c) { c.cand = at::zeros({3, 21}, at::kLong); }),
+                     "cand has C = 21 candidates per row but a row has only L = 20 positions");
+  expect_usage_error(with([](Inputs& c) { c.cand = at::zeros({3, 0}, at::kLong); }), "C = 0");
+  expect_usage_error(with([](Inputs& c) { c.q = c.q.narrow(1, 0, 19); }),
+                     "q has shape [3, 19, 2, 4] but must be (B, L, H, N) = [3, 20, 2, 4]");
+  expect_usage_error(with([](Inputs& c) { c.k = c.k.narrow(3, 0, 3); }), "k has shape [3, 20, 2, 3]");
+  expect_usage_error(with([](Inputs& c) { c.k = c.k.to(at::kDouble); }), "k has dtype Double");
+  expect_usage_error(with([](Inputs& c) { c.scores = c.scores.detach().to(at::kLong); }), "scores has dtype Long");
+  expect_usage_error(with([](Inputs& c) { c.scores = c.scores.detach()[0]; }),
+                     "scores has shape [20, 2] but must have 3 dimensions (B, L, H)");
+  expect_usage_error(with([](Inputs& c) { c.valid = c.valid.to(at::kInt); }), "valid has dtype Int but must be bool");
+  expect_usage_error(with([](Inputs& c) { c.valid = c.valid.narrow(1, 0, 4); }), "valid has shape [3, 4]");
+  expect_usage_error(with([](Inputs& c) { c.seq = c.seq.flip({1}).contiguous(); }),
+                     "seq_idx must be non-decreasing");
+}
+
+// ---- CUDA ----------------------------------------------------------------------------------------
+
+namespace {
+
+const at::Device kGpu(at::kCUDA, 0);
+
+// Copies `in` to the GPU with float tensors in score_dt (scores) and qk_dt (q, k); q and k as
+// strided views (last dim contiguous) of one (B, L, H, 2N) tensor when `strided`.
+Inputs to_gpu(const Inputs& in, at::ScalarType score_dt, at::ScalarType qk_dt, bool strided = false) {
+  Inputs g;
+  g.scores = in.scores.detach().to(kGpu, score_dt).requires_grad_();
+  if (strided) {
+    at::Tensor kq = at::cat({in.k, in.q}, -1).to(kGpu, qk_dt);
+    const int64_t N = in.q.size(3);
+    g.k = kq.narrow(3, 0, N), g.q = kq.narrow(3, N, N);
+  } else {
+    g.q = in.q.to(kGpu, qk_dt), g.k = in.k.to(kGpu, qk_dt);
+  }
+  g.seq = in.seq.defined() ? in.seq.to(kGpu) : in.seq;
+  g.valid = in.valid.defined() ? in.valid.to(kGpu) : in.valid;
+  g.cand = in.cand.to(kGpu);
+  return g;
+}
+
+// Loss and d(w * loss) / d scores on the GPU (outputs poisoned first), both on the CPU in float64.
+std::pair<double, at::Tensor> run_gpu(const Inputs& g, double w) {
+  hax::ops::set_poison_outputs(true);
+  at::Tensor loss = loss_of(g);
+  (loss * w).backward();
+  hax::ops::set_poison_outputs(false);
+  EXPECT_EQ(loss.dim(), 0);
+  EXPECT_EQ(loss.scalar_type(), g.scores.scalar_type());
+  return {loss.item<double>(), g.scores.grad().to(at::kCPU, at::kDouble)};
+}
+
+}  // namespace
+
+TEST(RankingLossCuda, MatchesCpuFloat32) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(44);
+  std::vector<Sizes> sizes = awkward_sizes();
+  sizes.push_back({3, 1025, 2, 16, 300, true, true});  // C over one pair-kernel tile (256)
+  for (const Sizes& s : sizes)
+    for (bool strided : {false, true}) {
+      SCOPED_TRACE("B, L, H, N, C = " + name_of(s) + (strided ? " strided q, k" : ""));
+      Inputs in = make_inputs(s, at::kFloat);
+      at::Tensor ref = loss_of(in);
+      (ref * 0.7).backward();
+      const at::Tensor ref_grad = in.scores.grad().to(at::kDouble);
+      const auto [loss, grad] = run_gpu(to_gpu(in, at::kFloat, at::kFloat, strided), 0.7);
+      EXPECT_LE(std::abs(loss - ref.item<double>()), 1e-5 * std::abs(ref.item<double>()));
+      const double atol = 1e-5 * std::max(1e-30, ref_grad.abs().max().item<double>());
+      EXPECT_LE(rel_err(grad, ref_grad, atol, 1e-5), 1.0);  // NaN (an unwritten entry) fails too
+    }
+}
+
+// bfloat16 storage against the float64 reference on the same (bfloat16-rounded) inputs. The kernels
+// compute in float32 and round once at the end: the loss and each gradient entry carry one bfloat16
+// rounding (relative 2^-9), checked with a 2x margin (2^-8) plus float32-level error. The targets
+// are exact comparisons of float32 sums: a flipped order needs two candidates' sums within ~1e-6,
+// which the fixed seed avoids. With float32 scores and bfloat16 q, k the result is float32.
+TEST(RankingLossCuda, Bfloat16CloseToFloat64) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(45);
+  for (const Sizes& s : {Sizes{3, 97, 2, 16, 37, true, true}, Sizes{1, 1025, 2, 3, 37, false, true},
+                         Sizes{3, 63, 1, 16, 63, true, false}})
+    for (at::ScalarType score_dt : {at::kBFloat16, at::kFloat}) {
+      SCOPED_TRACE("B, L, H, N, C = " + name_of(s) + " scores " + c10::toString(score_dt));
+      Inputs in = make_inputs(s, at::kDouble);
+      in.scores = in.scores.detach().to(score_dt).to(at::kDouble).requires_grad_();
+      in.q = in.q.to(at::kBFloat16).to(at::kDouble), in.k = in.k.to(at::kBFloat16).to(at::kDouble);
+      at::Tensor ref = ranking_loss_reference(in.scores, in.q, in.k, in.seq, in.valid, in.cand);
+      (ref * 3).backward();  // 3 is exact in bfloat16
+      const at::Tensor ref_grad = in.scores.grad();
+      const auto [loss, grad] = run_gpu(to_gpu(in, score_dt, at::kBFloat16), 3);
+      const double rtol = score_dt == at::kBFloat16 ? std::ldexp(1.0, -8) : 1e-5;
+      EXPECT_LE(std::abs(loss - ref.item<double>()), (rtol + 1e-5) * std::abs(ref.item<double>()));
+      EXPECT_LE(rel_err(grad, ref_grad, 1e-5 * ref_grad.abs().max().item<double>(), rtol), 1.0);
+    }
+}
+
+TEST(RankingLossCuda, Deterministic) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(46);
+  Inputs in = make_inputs({3, 1025, 2, 16, 300, true, true}, at::kFloat);
+  const auto [l1, g1] = run_gpu(to_gpu(in, at::kFloat, at::kFloat), 1.0);
+  const auto [l2, g2] = run_gpu(to_gpu(in, at::kFloat, at::kFloat), 1.0);
+  EXPECT_EQ(l1, l2);
+  EXPECT_TRUE(at::equal(g1, g2));
+}
+
+TEST(RankingLossCuda, BadInputs) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(47);
+  Inputs in = make_inputs({2, 20, 2, 4, 5, true, true}, at::kFloat);
+  Inputs g = to_gpu(in, at::kFloat, at::kFloat);
+  auto with = [&](auto change) {  // a changed copy of g
+    Inputs c = g;
+    change(c);
+    return [c] { loss_of(c); };
+  };
+  expect_usage_error(with([&](Inputs& c) { c.cand = in.cand; }),
+                     "ranking_loss: cand is on cpu but scores is on cuda:0");
+  expect_usage_error(with([&](Inputs& c) { c.valid = in.valid; }), "valid is on cpu");
+  expect_usage_error(with([&](Inputs& c) { c.q = c.q.to(at::kDouble); }), "q has dtype Double on cuda:0");
+  expect_usage_error(with([&](Inputs& c) { c.cand = c.cand.narrow(1, 0, 4).t(); }), "cand has shape [4, 2]");
+  // A value check of a CUDA tensor reads it back (a host synchronization): only while asked.
+  Inputs bad = g;
+  bad.cand = g.cand.clone();
+  bad.cand[1][3] = 20;
+  hax::ops::set_check_device_values(true);
+  expect_usage_error([&] { loss_of(bad); }, "cand[1, 3] = 20 is not a position");
+  hax::ops::set_check_device_values(false);
+  // Unchecked, the kernels read an out-of-range candidate as absent (no out-of-bounds access).
+  EXPECT_TRUE(std::isfinite(loss_of(bad).item<double>()));
+}
