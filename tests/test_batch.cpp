@@ -228,6 +228,15 @@ TEST(Batch, PerSampleAccuracy) {
       EXPECT_DOUBLE_EQ(acc[i].item<double>(), hits[i] / count[i]) << "sample " << i;
     }
     EXPECT_TRUE(std::isnan(acc[samples.size() - 1].item<double>()));
+    // The host-made weights give the same sum of per-sample accuracies from the supervised
+    // positions alone (what the training loss computes on a GPU without a read-back).
+    double expect = 0;
+    for (size_t i = 0; i + 1 < samples.size(); ++i) expect += hits[i] / count[i];
+    ASSERT_EQ(b.supervised_weight.numel(), b.supervised.numel());
+    const at::Tensor c_sup = correct.reshape({-1}).index_select(0, b.supervised);
+    EXPECT_NEAR((c_sup * b.supervised_weight).sum().item<double>(), expect, 1e-12);
+    EXPECT_NEAR(b.supervised_weight.sum().item<double>(), (double)b.supervised_samples, 1e-12);
+    EXPECT_EQ(b.supervised_samples, (int64_t)samples.size() - 1);
   }
 }
 

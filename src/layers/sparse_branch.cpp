@@ -49,8 +49,11 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
     else if (part == "d") p = patterns::dilated(B, H_, L, keys_per_part_, stride_, seq_idx, q.device());
     else if (part == "lsh") {
       torch::NoGradGuard ng;
-      // Not waiting for the copy (the source is staged at once; a blocking copy waits for the GPU).
-      const at::Tensor proj = lsh_projection(ctx).to(q.device(), q.scalar_type(), /*non_blocking=*/true);
+      // Rounded to q's dtype and widened to float64 (the buckets' math) on the host, so the GPU
+      // gets one upload and no conversions. Not waiting for the copy (the source is staged at
+      // once; a blocking copy waits for the GPU).
+      const at::Tensor proj =
+          lsh_projection(ctx).to(q.scalar_type()).to(at::kDouble).to(q.device(), /*non_blocking=*/true);
       p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, proj, binning_, seq_idx);
     } else if (part == "ks") {
       at::Tensor scores = ks_scores && ks_scores->defined() ? *ks_scores : scorer->forward(k, q, seq_idx);  // (B, L, H)

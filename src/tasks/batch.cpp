@@ -36,7 +36,8 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
   int32_t* sid = b.sample_id.data_ptr<int32_t>();
   int32_t* seg = packed ? b.seq_idx.data_ptr<int32_t>() : nullptr;
   std::vector<int64_t> supervised;          // flat indices of loss_mask 1, ascending
-  std::vector<char> has(samples.size(), 0);  // sample i has a supervised position
+  std::vector<int32_t> sup_sample;           // the sample of each supervised position
+  std::vector<int64_t> count(samples.size(), 0);  // supervised positions per sample
   for (int64_t r = 0; r < B; ++r) {
     int64_t t = r * T;
     int32_t segment = 0;
@@ -50,7 +51,7 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
         in[t] = s.tokens[p];
         tg[t] = s.tokens[p + 1];
         lm[t] = s.mask[p + 1] ? 1.f : 0.f;
-        if (s.mask[p + 1]) supervised.push_back(t), has[i] = 1;
+        if (s.mask[p + 1]) supervised.push_back(t), sup_sample.push_back(i), ++count[i];
         sid[t] = i;
         if (seg) seg[t] = segment;
       }
@@ -61,7 +62,10 @@ Batch fill(const std::vector<Sample>& samples, const std::vector<std::vector<int
   }
   // Rows are filled in order and positions within a row ascend, so `supervised` ascends.
   b.supervised = at::tensor(supervised, at::kLong);
-  b.supervised_samples = std::count(has.begin(), has.end(), (char)1);
+  b.supervised_samples = (int64_t)samples.size() - std::count(count.begin(), count.end(), int64_t(0));
+  std::vector<double> weight(supervised.size());
+  for (size_t k = 0; k < supervised.size(); ++k) weight[k] = 1.0 / (double)count[sup_sample[k]];
+  b.supervised_weight = at::tensor(weight, at::kDouble);
   return b;
 }
 
@@ -71,7 +75,8 @@ Batch Batch::to(const at::Device& device) const {
   if (inputs.device() == device) return *this;
   Batch b = *this;
   const bool pin = device.is_cuda() && inputs.device().is_cpu();
-  for (at::Tensor* t : {&b.inputs, &b.targets, &b.loss_mask, &b.seq_idx, &b.sample_id, &b.supervised})
+  for (at::Tensor* t : {&b.inputs, &b.targets, &b.loss_mask, &b.seq_idx, &b.sample_id, &b.supervised,
+                     &b.supervised_weight})
     if (t->defined()) *t = (pin ? t->pin_memory() : *t).to(device, /*non_blocking=*/true);
   return b;
 }

@@ -27,6 +27,9 @@ struct Batch {
   at::Tensor supervised;    // (M) int64 flat indices into (B*T) of the positions with loss_mask 1,
                             // ascending (= loss_mask.reshape(-1).nonzero()); undefined if unknown
   int64_t supervised_samples = -1;  // samples with at least one supervised position; -1 if unknown
+  at::Tensor supervised_weight;     // (M) float64 1 / (supervised positions of the position's sample),
+                                    // so that Σ weight · correct is the sum of per-sample accuracies;
+                                    // defined with `supervised`
 
   // The same batch with its tensors on `device` (itself when they are there already). Copies to a
   // CUDA device go through pinned memory without waiting (stream-ordered with later work).

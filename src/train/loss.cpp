@@ -24,6 +24,13 @@ LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardCont
   at::Tensor tg = batch.targets.reshape({-1}).index_select(0, sel);
   r.loss = at::cross_entropy_loss(logits, tg);
   torch::NoGradGuard ng;
+  if (batch.supervised.defined() && batch.supervised_weight.defined() && batch.supervised_samples >= 0) {
+    // Σ over samples of each one's accuracy, from host-known weights (4 launches, no read-back).
+    r.correct = ((logits.argmax(-1) == tg) * batch.supervised_weight).sum();
+    r.samples = batch.supervised_samples;
+    if (read_accuracy) r.correct_sum = r.correct.item<double>();
+    return r;
+  }
   at::Tensor correct = (logits.argmax(-1) == tg).to(at::kDouble);
   at::Tensor sid = batch.sample_id.reshape({-1}).index_select(0, sel).to(at::kLong);
   const int64_t n = batch.num_samples;
