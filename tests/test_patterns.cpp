@@ -860,6 +860,11 @@ TEST(PatternCuda, LshEqualCpu) {
           const pat::KeyLists got = pat::lsh(cuda(q), cuda(kk), k, cuda(proj), rule.binning, cuda(seq));
           expect_cuda_lists(got.idx, want.idx, "LSH lists");
           expect_cuda_lists(got.q_order, want.q_order, "LSH q_order");
+          // The model uploads proj already in float64: the same lists.
+          const pat::KeyLists got64 =
+              pat::lsh(cuda(q), cuda(kk), k, cuda(proj.to(at::kDouble)), rule.binning, cuda(seq));
+          expect_cuda_lists(got64.idx, want.idx, "LSH lists, float64 proj");
+          expect_cuda_lists(got64.q_order, want.q_order, "LSH q_order, float64 proj");
         }
 }
 

@@ -21,7 +21,9 @@ int64_t num_buckets(Binning binning, int64_t h) { return binning == Binning::kSi
 // Checks proj (N, h) against the last dimension N of x and the binning; returns h.
 int64_t check_proj(const char* op, const at::Tensor& proj, int64_t N, Binning binning) {
   ops::check_rank(op, "proj", proj, 2, "(N, h)");
-  ops::check_floating(op, "proj", proj);
+  // Bucketing computes in float64 on every device, so a float64 proj is taken on CUDA too (the
+  // model uploads it so, saving a conversion on the device).
+  if (!(proj.scalar_type() == at::kDouble && proj.device().is_cuda())) ops::check_floating(op, "proj", proj);
   HAX_CHECK(proj.size(0) == N, "{}: proj has shape {} but its dim 0 must be the vector width N = {}", op,
             ops::shape_str(proj.sizes()), N);
   const int64_t h = proj.size(1);
