@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <set>
 #include <vector>
@@ -14,10 +15,13 @@ namespace {
 struct Frame {
   std::string name;
   bool has_child = false;
+  bool user = false;  // a hax scope (RECORD_USER_SCOPE): its host time is summed
+  std::chrono::steady_clock::time_point start;
 };
 
 std::mutex g_mutex;
 std::map<std::pair<std::string, std::string>, int64_t> g_leaves;
+std::map<std::string, std::pair<double, int64_t>> g_scopes;  // name -> (host seconds, calls)
 thread_local std::vector<Frame> t_stack;
 
 // Short form of an autograd node's record name ("autograd::engine::evaluate_function: XBackward0").
@@ -30,7 +34,8 @@ std::string short_name(const char* name) {
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (!t_stack.empty()) t_stack.back().has_child = true;
-  t_stack.push_back({short_name(fn.name()), false});
+  t_stack.push_back({short_name(fn.name()), false, fn.scope() == at::RecordScope::USER_SCOPE,
+                     std::chrono::steady_clock::now()});
   return nullptr;
 }
 
@@ -38,6 +43,13 @@ void on_end(const at::RecordFunction&, at::ObserverContext*) {
   if (t_stack.empty()) return;  // started before the counter was
   Frame f = std::move(t_stack.back());
   t_stack.pop_back();
+  if (f.user) {
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - f.start).count();
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto& s = g_scopes[f.name];
+    s.first += sec, s.second += 1;
+    return;
+  }
   if (f.has_child) return;
   // The caller chain, innermost first, up to three operators (then "(hax)" if the chain ends there).
   std::string caller;
@@ -67,6 +79,7 @@ OpCounter::OpCounter() {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_leaves.clear();
+    g_scopes.clear();
   }
   handle_ = at::addGlobalCallback(
       at::RecordFunctionCallback(on_start, on_end)
@@ -93,7 +106,16 @@ std::string OpCounter::table(int top, int64_t per) const {
     }
   }
   std::sort(work.begin(), work.end(), [](auto& a, auto& b) { return a.first > b.first; });
-  std::string out = fmt::format("operator leaves per step: {:.1f} that may launch work, {:.1f} views and allocations\n",
+  std::string out;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g_scopes.empty()) {
+      out += fmt::format("host time per step in hax's scopes (inclusive; counting slows them):\n");
+      for (auto& [name, s] : g_scopes)
+        out += fmt::format("{:>10.3f} ms {:>6.1f} x  {}\n", 1e3 * s.first / per, (double)s.second / per, name);
+    }
+  }
+  out += fmt::format("operator leaves per step: {:.1f} that may launch work, {:.1f} views and allocations\n",
                                 (double)n_work / per, (double)n_none / per);
   out += fmt::format("{:>8}  {:<28} {}\n", "calls", "operator", "called from");
   for (int i = 0; i < std::min<int>(top, work.size()); ++i)

@@ -4,7 +4,8 @@
 // is seen through LibTorch's RecordFunction callbacks. A call that calls no other operator is a
 // leaf: on a GPU, nearly every leaf other than a view or an allocation is one kernel launch (or a
 // copy). Leaves are counted by (caller, name), the caller being the enclosing operator or autograd
-// node, so that a count names its call site.
+// node, so that a count names its call site. hax's own scopes (RECORD_USER_SCOPE("hax::...") in
+// the layers and the training step) get their host time summed.
 #pragma once
 #include <cstdint>
 #include <map>

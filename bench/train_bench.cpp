@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <ATen/record_function.h>
+
 #include <chrono>
 
 #include "core/cuda_util.h"
@@ -69,6 +71,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
       ctx.seed = (uint64_t)s;
       LossResult r;
       {
+        RECORD_USER_SCOPE("hax::forward_and_loss");
         AutocastScope ac(cfg.precision, dev);
         if (cfg.host_sync) {  // as before: supervised positions found on the device
           Batch b = batches[s];
@@ -79,7 +82,10 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
         }
       }
       opt.zero_grad();
-      (r.ranking.defined() ? r.loss + 0.1 * r.ranking : r.loss).backward();
+      {
+        RECORD_USER_SCOPE("hax::backward");
+        (r.ranking.defined() ? r.loss + 0.1 * r.ranking : r.loss).backward();
+      }
       if (cfg.host_sync) {
         clip_grad_norm(params, 1.0);
         opt.step(1e-3);
@@ -87,6 +93,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
         return;
       }
       // The trainer's step: the metrics stay on the device, a non-finite step is skipped there.
+      RECORD_USER_SCOPE("hax::clip_metrics_optimizer");
       const at::Tensor gnorm = clip_grad_norm_async(params, 1.0);
       const at::Tensor loss = r.loss.detach().to(at::kDouble);
       const at::Tensor ranking = r.ranking.defined() ? r.ranking.detach().to(at::kDouble) : at::zeros_like(loss);

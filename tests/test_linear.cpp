@@ -75,3 +75,65 @@ TEST(SmallGemm, PlainAndTransposedAMatchNaiveProducts) {
           EXPECT_LE(rel_err(c2, want, 1e-5, 1e-5), 1.0);
         }
 }
+
+// CUDA: the cuBLAS path (one autograd node) against the CPU op, forward and backward, with and
+// without bias and ReLU, 2-d and 3-d inputs; dx is not computed when x needs no gradient; under
+// bf16 autocast the output is bfloat16 and the float32 parameters still get float32 gradients.
+#include "cuda_harness.h"
+#include "train/precision.h"
+
+TEST(LinearCuda, MatchesCpuFloat32AndSkipsUnneededGradients) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(4);
+  const at::Device dev(at::kCUDA);
+  for (auto lead : std::vector<std::vector<int64_t>>{{1}, {63}, {3, 97}, {1025}})
+    for (bool bias : {false, true})
+      for (bool relu : {false, true})
+        for (bool x_grad : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "rows " << lead.back() << " bias " << bias << " relu " << relu
+                                            << " x_grad " << x_grad);
+          auto xs = lead;
+          xs.push_back(48);
+          at::Tensor x = at::randn(xs), w = at::randn({40, 48}), b = bias ? at::randn({40}) : at::Tensor();
+          at::Tensor g = at::randn(xs).narrow(-1, 0, 40).contiguous();
+          auto run = [&](const at::Device& d) {
+            // detach() first: on the CPU, to(kCPU) would return x itself and mark it.
+            at::Tensor xd = x.detach().to(d).requires_grad_(x_grad), wd = w.detach().to(d).requires_grad_(),
+                       bd = bias ? b.detach().to(d).requires_grad_() : at::Tensor();
+            at::Tensor y = relu ? hax::ops::linear_relu(xd, wd, bd) : hax::ops::linear(xd, wd, bd);
+            (y * g.to(d)).sum().backward();
+            return std::vector<at::Tensor>{y.cpu(), x_grad ? xd.grad().cpu() : at::Tensor(), wd.grad().cpu(),
+                                           bias ? bd.grad().cpu() : at::Tensor()};
+          };
+          auto want = run(at::kCPU), got = run(dev);
+          for (size_t i = 0; i < want.size(); ++i) {
+            ASSERT_EQ(got[i].defined(), want[i].defined()) << "output " << i;
+            if (want[i].defined()) {
+              EXPECT_LE(rel_err(got[i], want[i], 1e-4, 1e-4), 1.0) << "output " << i;
+            }
+          }
+        }
+}
+
+TEST(LinearCuda, Bf16AutocastGivesBf16OutputAndFloat32Gradients) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(5);
+  const at::Device dev(at::kCUDA);
+  at::Tensor x = at::randn({97, 32}, at::TensorOptions().device(dev)).requires_grad_();
+  at::Tensor w = at::randn({24, 32}, at::TensorOptions().device(dev)).requires_grad_();
+  at::Tensor b = at::randn({24}, at::TensorOptions().device(dev)).requires_grad_();
+  at::Tensor y;
+  {
+    hax::AutocastScope ac("bf16", dev);
+    y = hax::ops::linear_relu(x, w, b);
+  }
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  y.to(at::kFloat).sum().backward();
+  EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+  EXPECT_EQ(x.grad().scalar_type(), at::kFloat);
+  // Against float64 on the bf16-rounded inputs: within bf16 rounding of the result.
+  at::Tensor xr = x.detach().to(at::kBFloat16).to(at::kDouble), wr = w.detach().to(at::kBFloat16).to(at::kDouble),
+             br = b.detach().to(at::kBFloat16).to(at::kDouble);
+  at::Tensor want = at::relu(at::linear(xr, wr, br));
+  EXPECT_LE(rel_err(y.to(at::kDouble).cpu(), want.cpu(), 1e-2, 1.0 / 128), 1.0);
+}

@@ -7,6 +7,8 @@
 #include "cuda_harness.h"
 #include "ops/check.h"
 #include "ops/ranking_loss/ranking_loss.h"
+#include "core/rng.h"
+#include "layers/key_scorer.h"
 
 using namespace hax::testing;
 using hax::ops::ranking_loss_fused;
@@ -129,6 +131,47 @@ TEST(RankingLoss, MatchesBruteForceFloat64) {
       EXPECT_NEAR(loss.item<double>(), std::log(2.0), 1e-15);  // the pair (a, a) alone
     }
   }
+}
+
+// hax::ranking_loss samples each row's candidates with a partial Fisher-Yates over its valid
+// positions; a row whose valid positions are a prefix keeps only the swapped entries. The sampled
+// candidates must be those of the plain algorithm over a listed pool, for prefix rows, a full row,
+// and rows with holes.
+TEST(RankingLoss, SampledCandidatesAreAPartialFisherYatesOverTheValidPositions) {
+  torch::manual_seed(17);
+  const int64_t B = 4, L = 50, H = 2, N = 3, candidates = 12;
+  const uint64_t seed = 99;
+  auto o = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({B, L, H, N}, o), k = at::randn({B, L, H, N}, o), scores = at::randn({B, L, H}, o);
+  at::Tensor valid = at::zeros({B, L}, at::kBool);
+  valid[0].fill_(true);                           // every position
+  valid[1].narrow(0, 0, 30).fill_(true);          // a packed row: padding at its end
+  valid[2] = at::rand({L}) < 0.6;                 // holes
+  valid[2][0] = false;
+  valid[3].narrow(0, 5, 40).fill_(true);          // valid, but not from 0
+  // The plain algorithm.
+  int64_t C = candidates;
+  std::vector<std::vector<int64_t>> pools(B);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < L; ++t)
+      if (valid[b][t].item<bool>()) pools[b].push_back(t);
+    C = std::min<int64_t>(C, (int64_t)pools[b].size());
+  }
+  ASSERT_GE(C, 2);
+  at::Tensor cand = at::empty({B, C}, at::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    hax::Rng rng(hax::derive_seed(seed, 0x4B53, (uint64_t)b));
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t r = c + (int64_t)rng.below(pools[b].size() - c);
+      std::swap(pools[b][c], pools[b][r]);
+      cand[b][c] = pools[b][c];
+    }
+  }
+  const at::Tensor got = hax::ranking_loss(scores, q, k, {}, valid, candidates, seed);
+  const at::Tensor want = hax::ranking_loss_at(scores, q, k, {}, valid, cand);
+  EXPECT_EQ(got.item<double>(), want.item<double>());
+  // Another seed samples other candidates and gives another loss (the comparison has power).
+  EXPECT_NE(hax::ranking_loss(scores, q, k, {}, valid, candidates, seed + 1).item<double>(), want.item<double>());
 }
 
 TEST(RankingLoss, Float32CloseToFloat64) {

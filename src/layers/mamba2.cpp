@@ -1,6 +1,8 @@
 #include "layers/mamba2.h"
 #include "layers/project.h"
 
+#include <ATen/record_function.h>
+
 #include <cmath>
 
 #include "ops/conv1d/conv1d.h"
@@ -58,6 +60,7 @@ at::Tensor Mamba2Mixer::qk_input(const at::Tensor& xBC) const {
 
 at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state,
                                 ForwardContext* ctx) {
+  RECORD_USER_SCOPE("hax::mamba2_mixer");
   const int64_t B = x.size(0), L = x.size(1);
   Projected pr = project_input(x);
   at::Tensor conv_init = state ? state->conv : at::Tensor();

@@ -1,6 +1,8 @@
 #include "layers/sparse_branch.h"
 #include "layers/project.h"
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -48,6 +50,7 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
     else if (part == "sink") p = patterns::sink(B, H_, L, keys_per_part_, seq_idx, q.device());
     else if (part == "d") p = patterns::dilated(B, H_, L, keys_per_part_, stride_, seq_idx, q.device());
     else if (part == "lsh") {
+      RECORD_USER_SCOPE("hax::lsh_lists");
       torch::NoGradGuard ng;
       // Rounded to q's dtype and widened to float64 (the buckets' math) on the host, so the GPU
       // gets one upload and no conversions. Not waiting for the copy (the source is staged at
@@ -56,6 +59,7 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
           lsh_projection(ctx).to(q.scalar_type()).to(at::kDouble).to(q.device(), /*non_blocking=*/true);
       p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, proj, binning_, seq_idx);
     } else if (part == "ks") {
+      RECORD_USER_SCOPE("hax::ks_scores_and_lists");
       at::Tensor scores = ks_scores && ks_scores->defined() ? *ks_scores : scorer->forward(k, q, seq_idx);  // (B, L, H)
       if (ks_scores) *ks_scores = scores;
       torch::NoGradGuard ng;
@@ -124,7 +128,10 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     auto [o2, lse2] = ops::sparse_attention(q, k, vh, rest.idx, {}, {}, {}, 1.0);
     return ops::join_by_lse(o1, lse1, o2, lse2);
   }
-  patterns::KeyLists lists = merge_parts(parts);
+  patterns::KeyLists lists = [&] {
+    RECORD_USER_SCOPE("hax::merge_lists");
+    return merge_parts(parts);
+  }();
   if (ctx && ctx->record) {
     PatternRecord rec{lists, {}, {}, scores.defined() ? scores.detach() : scores};
     if (std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end()) {
@@ -134,18 +141,22 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     }
     ctx->record->push_back(rec);
   }
+  RECORD_USER_SCOPE("hax::sparse_attention");
   return std::get<0>(ops::sparse_attention(q, k, vh, lists.idx, {}, {}, lists.q_order, 1.0));
 }
 
 at::Tensor SparseAttentionBranch::forward(const at::Tensor& qk_in, const at::Tensor& v, const at::Tensor& seq_idx,
                                           ForwardContext* ctx) {
+  RECORD_USER_SCOPE("hax::sparse_branch");
   const int64_t B = v.size(0), L = v.size(1);
   auto [q, k] = queries_keys(qk_in);
   at::Tensor scores;
   at::Tensor out = attend(qk_in, q, k, v.reshape({B, L, H_, v_dim_ / H_}), seq_idx, ctx, &scores);
-  if (scorer && ctx && ctx->training)
+  if (scorer && ctx && ctx->training) {
+    RECORD_USER_SCOPE("hax::ranking_loss");
     ctx->ranking_losses.push_back(ranking_loss(scores, q.detach(), k.detach(), seq_idx, ctx->valid, candidates_,
                                                derive_seed(ctx->seed, 0x45, (uint64_t)layer_), ctx->valid_host));
+  }
   return out.reshape({B, L, v_dim_}) * E;
 }
 

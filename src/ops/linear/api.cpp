@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "ops/backend.h"
 #include "ops/check.h"
 #include "ops/linear/linear.h"
 
@@ -21,6 +22,7 @@ LinearParams make_params(const at::Tensor& x2, const at::Tensor& w, const at::Te
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   // b arrives as an empty tensor when absent (LibTorch 1.13's apply cannot take undefined ones).
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, at::Tensor b, bool relu) {
+    if (x.is_cuda()) return forward_cuda(ctx, x, w, b, relu);
     const int64_t in = w.size(1), out = w.size(0);
     at::Tensor x2 = x.reshape({-1, in}).contiguous(), wc = w.contiguous(), bc = b.contiguous();
     auto sizes = x.sizes().vec();
@@ -31,12 +33,45 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     p.relu = relu;
     if (p.rows > 0) linear_forward_cpu(p, x.scalar_type());
     ctx->save_for_backward({x2, wc, bc, relu ? y : at::empty({0}, x.options())});
+    ctx->saved_data["cuda"] = false;
     ctx->saved_data["relu"] = relu;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     return {y.view(sizes)};
   }
 
+  // CUDA: the products through cuBLAS (at::addmm / at::mm), in one autograd node instead of
+  // LibTorch's linear, matmul, view and transpose nodes; dx is skipped when x needs no gradient
+  // (the scorer's detached inputs).
+  static variable_list forward_cuda(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                                    const at::Tensor& b, bool relu) {
+    const int64_t in = w.size(1), out = w.size(0);
+    at::Tensor x2 = x.reshape({-1, in});
+    at::Tensor y = b.numel() ? at::addmm(b, x2, w.t()) : at::mm(x2, w.t());
+    if (relu) y.relu_();
+    ctx->save_for_backward({x2, w, b, relu ? y : at::empty({0}, x.options())});
+    ctx->saved_data["cuda"] = true;
+    ctx->saved_data["relu"] = relu;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    auto sizes = x.sizes().vec();
+    sizes.back() = out;
+    return {y.view(sizes)};
+  }
+
+  static variable_list backward_cuda(AutogradContext* ctx, const variable_list& grads) {
+    auto s = ctx->get_saved_variables();
+    const at::Tensor &x2 = s[0], &w = s[1], &b = s[2];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor dy = grads[0].reshape({-1, w.size(0)});
+    if (ctx->saved_data["relu"].toBool()) dy = at::threshold_backward(dy, s[3], 0);  // relu' from the output
+    at::Tensor dx;
+    if (ctx->needs_input_grad(0)) dx = at::mm(dy, w).view(ctx->saved_data["x_sizes"].toIntVector());
+    at::Tensor dw = ctx->needs_input_grad(1) ? at::mm(dy.t(), x2) : at::Tensor();
+    at::Tensor db = b.numel() && ctx->needs_input_grad(2) ? dy.sum(0) : at::Tensor();
+    return {dx, dw, db, at::Tensor()};
+  }
+
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (ctx->saved_data["cuda"].toBool()) return backward_cuda(ctx, grads);
     auto s = ctx->get_saved_variables();
     const at::Tensor &x2 = s[0], &w = s[1], &b = s[2];
     auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
@@ -61,24 +96,31 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
 
 namespace {
 
-// Checks the arguments of `op`; true when the CPU kernels take them (float32/float64 on the CPU).
+// Checks the arguments of `op`; true when LinearFunction takes them: float32/float64 on the CPU
+// (hax's kernels), float32/bfloat16 on CUDA (cuBLAS), one dtype and device for all.
 bool check_linear(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   check_rank(op, "w", w, 2, "(out, in)");
   HAX_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), "{}: x has shape {} but its last dim must be in = {}", op,
             shape_str(x.sizes()), w.size(1));
   if (b.defined()) check_shape(op, "b", b, {w.size(0)}, "(out)");
-  return x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
-         w.scalar_type() == x.scalar_type() && (!b.defined() || b.scalar_type() == x.scalar_type());
+  const auto dt = x.scalar_type();
+  const bool same = w.scalar_type() == dt && w.device() == x.device() &&
+                    (!b.defined() || (b.scalar_type() == dt && b.device() == x.device()));
+  if (x.device().is_cpu()) return same && (dt == at::kFloat || dt == at::kDouble);
+  return same && x.is_cuda() && (dt == at::kFloat || dt == at::kBFloat16);
 }
 
 }  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  // Under autocast the CUDA products take bfloat16 copies, as LibTorch's own linear would.
+  if (autocast_cast_needed({x, w, b})) return linear(autocast_cast(x), autocast_cast(w), autocast_cast(b));
   if (!check_linear("linear", x, w, b)) return at::linear(x, w, b);
   return LinearFunction::apply(x, w, b.defined() ? b : at::empty({0}, x.options()), false)[0];
 }
 
 at::Tensor linear_relu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  if (autocast_cast_needed({x, w, b})) return linear_relu(autocast_cast(x), autocast_cast(w), autocast_cast(b));
   if (!check_linear("linear_relu", x, w, b)) return at::relu(at::linear(x, w, b));
   return LinearFunction::apply(x, w, b.defined() ? b : at::empty({0}, x.options()), true)[0];
 }

@@ -29,7 +29,8 @@ void linear_forward_cpu(const LinearParams& p, at::ScalarType dtype);
 // Deterministic: weight gradients are summed over fixed row blocks in a fixed order.
 void linear_backward_cpu(const LinearGradParams& p, at::ScalarType dtype);
 
-// Differentiable in x, W and b. CPU float32/float64; other devices and dtypes go to at::linear.
+// Differentiable in x, W and b. CPU float32/float64: hax's kernels; CUDA float32/bfloat16: cuBLAS
+// products in one autograd node (under autocast, on bfloat16 copies); others go to at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
 // relu(linear(x, W, b)) in one pass over the output on the CPU (the backward masks dy with the
