@@ -134,9 +134,8 @@ TEST(RankingLoss, MatchesBruteForceFloat64) {
 }
 
 // hax::ranking_loss samples each row's candidates with a partial Fisher-Yates over its valid
-// positions; a row whose valid positions are a prefix keeps only the swapped entries. The sampled
-// candidates must be those of the plain algorithm over a listed pool, for prefix rows, a full row,
-// and rows with holes.
+// positions (compacted into one reused buffer). The sampled candidates must be those of the plain
+// algorithm over a listed pool, for a packed row (valid prefix), a full row and rows with holes.
 TEST(RankingLoss, SampledCandidatesAreAPartialFisherYatesOverTheValidPositions) {
   torch::manual_seed(17);
   const int64_t B = 4, L = 50, H = 2, N = 3, candidates = 12;

@@ -2,7 +2,6 @@
 #include "layers/project.h"
 
 #include <algorithm>
-#include <unordered_map>
 #include <vector>
 #include <cmath>
 
@@ -144,47 +143,22 @@ at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at:
   const at::Tensor& vh = valid_host.defined() ? valid_host : valid;
   at::Tensor ok = vh.defined() ? vh.to(at::kCPU).to(at::kBool).contiguous() : at::ones({B, L}, at::kBool);
   const bool* okp = ok.data_ptr<bool>();
-  // Each row's pool of valid positions. A packed row's are [0, n) (its padding is at its end): that
-  // pool is kept as its size alone, and the few entries the sampling swaps are kept aside.
-  struct Pool {
-    int64_t n = 0;               // valid positions
-    bool prefix = true;          // they are 0..n-1
-    std::vector<int64_t> list;   // else: them, ascending
-  };
-  std::vector<Pool> pools(B);
   // Same candidate count for every row: the fewest valid positions of any row, at most `candidates`.
   int64_t C = candidates;
-  for (int64_t b = 0; b < B; ++b) {
-    const bool* row = okp + b * L;
-    Pool& pool = pools[b];
-    pool.n = std::count(row, row + L, true);
-    pool.prefix = std::find(row, row + pool.n, false) == row + pool.n;
-    if (!pool.prefix)
-      for (int64_t t = 0; t < L; ++t)
-        if (row[t]) pool.list.push_back(t);
-    C = std::min<int64_t>(C, pool.n);
-  }
+  for (int64_t b = 0; b < B; ++b) C = std::min<int64_t>(C, std::count(okp + b * L, okp + (b + 1) * L, true));
   if (C < 2) return scores.sum() * 0.0;  // no pair to rank
   at::Tensor cand = at::empty({B, C}, at::kLong);
   int64_t* cp = cand.data_ptr<int64_t>();
-  std::unordered_map<int64_t, int64_t> moved;  // a prefix pool's swapped entries: index -> position
+  std::vector<int64_t> pool(L);  // one row's valid positions, reused (no allocation per row)
   for (int64_t b = 0; b < B; ++b) {
+    const bool* row = okp + b * L;
+    int64_t n = 0;
+    for (int64_t t = 0; t < L; ++t) pool[n] = t, n += row[t];  // compaction without a branch
     Rng rng(derive_seed(seed, 0x4B53, (uint64_t)b));
-    Pool& pool = pools[b];
-    moved.clear();
-    moved.reserve(2 * C);
-    // Entry i of the pool (a reference: unordered_map keeps its elements in place).
-    auto entry = [&](int64_t i) -> int64_t& {
-      if (!pool.prefix) return pool.list[i];
-      auto it = moved.find(i);
-      return it != moved.end() ? it->second : moved.emplace(i, i).first->second;
-    };
     for (int64_t c = 0; c < C; ++c) {  // partial Fisher-Yates: C distinct positions
-      const int64_t r = c + (int64_t)rng.below(pool.n - c);
-      const int64_t vr = entry(r);
-      entry(r) = entry(c);
-      entry(c) = vr;
-      cp[b * C + c] = vr;
+      const int64_t r = c + (int64_t)rng.below(n - c);
+      std::swap(pool[c], pool[r]);
+      cp[b * C + c] = pool[c];
     }
   }
   // Not waiting for the copy: the source is staged at once (a blocking copy would wait for the GPU).
