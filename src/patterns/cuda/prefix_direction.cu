@@ -185,15 +185,19 @@ __global__ void __launch_bounds__(kCarryThreads) carry_kernel(PrefixDirectionPar
     const bool mine = g < G && n < N;
     float* tot = p.totals + bh * nC * N + n;
     const int32_t* rs = p.resets + (bh / p.H) * nC;
+    // Chunks c..c+kBatch-1 (those below c1): their totals and whether a sequence starts in them.
+    auto load = [&](int64_t c, float (&x)[kBatch], bool (&r)[kBatch]) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (c + u < c1) x[u] = tot[(c + u) * N], r[u] = rs[c + u] != 0;
+    };
     float v = 0.f;  // the sum since the last sequence start in chunks [c0, c1)
     bool f = false;
     if (mine)
       for (int64_t c = c0; c < c1; c += kBatch) {
         float x[kBatch];
         bool r[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-          if (c + u < c1) x[u] = tot[(c + u) * N], r[u] = rs[c + u] != 0;
+        load(c, x, r);
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
           if (c + u < c1) v = r[u] ? x[u] : v + x[u], f = f || r[u];
@@ -209,9 +213,7 @@ __global__ void __launch_bounds__(kCarryThreads) carry_kernel(PrefixDirectionPar
       for (int64_t c = c0; c < c1; c += kBatch) {
         float x[kBatch];
         bool r[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-          if (c + u < c1) x[u] = tot[(c + u) * N], r[u] = rs[c + u] != 0;
+        load(c, x, r);
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
           if (c + u < c1) {
