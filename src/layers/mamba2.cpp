@@ -54,8 +54,8 @@ Mamba2Mixer::Projected Mamba2Mixer::project_input(const at::Tensor& x) {
   return {parts[0], parts[1], parts[2]};
 }
 
-at::Tensor Mamba2Mixer::qk_input(const at::Tensor& xBC) const {
-  return qk_from_xbc_ ? xBC : xBC.narrow(-1, 0, d_inner_);
+at::Tensor Mamba2Mixer::qk_input(const at::Tensor& xBC, const at::Tensor& xflat) const {
+  return qk_from_xbc_ ? xBC : xflat;
 }
 
 at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, MixerState* state,
@@ -75,7 +75,7 @@ at::Tensor Mamba2Mixer::forward(const at::Tensor& x, const at::Tensor& seq_idx, 
   at::Tensor A = -at::exp(A_log);
   auto [y, ssm_final] = ops::ssd(xs, dt, A, Bm, Cm, state ? state->ssm : at::Tensor(), seq_idx, chunk_);
   y = (y + xs * D.view({1, 1, H_, 1})).reshape({B, L, d_inner_});
-  if (sparse) y = y + sparse->forward(qk_from_xbc_ ? xBC : xflat, xflat, seq_idx, ctx);
+  if (sparse) y = y + sparse->forward(qk_input(xBC, xflat), xflat, seq_idx, ctx);
   y = ops::rmsnorm(y, pr.z, norm_weight, eps_, d_inner_ / G_);
   if (state) {
     state->conv = conv_final;
@@ -109,7 +109,7 @@ at::Tensor Mamba2Mixer::step(const at::Tensor& x, MixerState& st, const ForwardC
   // dt = softplus(dt_raw + dt_bias); state = exp(dt A) state + dt x B^T (B, H, P, N); y = state C + D x.
   at::Tensor y = ops::ssd_step(xs, pr.dt, -at::exp(A_log), Bm, Cm, D, dt_bias, /*dt_softplus=*/true, st.ssm)
                      .reshape({B, d_inner_});
-  if (sparse) y = y + sparse->step(qk_input(xBC), xflat, st, ctx);
+  if (sparse) y = y + sparse->step(qk_input(xBC, xflat), xflat, st, ctx);
   y = ops::rmsnorm(y, pr.z, norm_weight, eps_, d_inner_ / G_);
   st.pos += 1;
   return project(out_proj, y);

@@ -32,8 +32,8 @@ class Mamba2Mixer : public Mixer {
   std::shared_ptr<SparseAttentionBranch> sparse;  // null without a sparse branch
 
  protected:
-  // The sparse branch's Q/K input: the post-conv x, or all of xBC with qk_init = bc.
-  at::Tensor qk_input(const at::Tensor& xBC) const;
+  // The sparse branch's Q/K input: the post-conv x (xflat, a view of xBC), or all of xBC with qk_init = bc.
+  at::Tensor qk_input(const at::Tensor& xBC, const at::Tensor& xflat) const;
   int64_t d_model_, d_inner_, H_, P_, G_, N_, W_, chunk_;
   double eps_;
   bool qk_from_xbc_ = false;

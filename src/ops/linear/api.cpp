@@ -21,62 +21,46 @@ LinearParams make_params(const at::Tensor& x2, const at::Tensor& w, const at::Te
 
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   // b arrives as an empty tensor when absent (LibTorch 1.13's apply cannot take undefined ones).
+  // CPU: hax's kernels. CUDA: the products through cuBLAS (at::addmm / at::mm), in one autograd
+  // node instead of LibTorch's linear, matmul, view and transpose nodes; dx is skipped there when
+  // x needs no gradient (the scorer's detached inputs).
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, at::Tensor b, bool relu) {
-    if (x.is_cuda()) return forward_cuda(ctx, x, w, b, relu);
     const int64_t in = w.size(1), out = w.size(0);
-    at::Tensor x2 = x.reshape({-1, in}).contiguous(), wc = w.contiguous(), bc = b.contiguous();
-    auto sizes = x.sizes().vec();
-    sizes.back() = out;
-    at::Tensor y = at::empty({x2.size(0), out}, x.options());
-    LinearParams p = make_params(x2, wc, bc);
-    p.y = y.data_ptr();
-    p.relu = relu;
-    if (p.rows > 0) linear_forward_cpu(p, x.scalar_type());
-    ctx->save_for_backward({x2, wc, bc, relu ? y : at::empty({0}, x.options())});
-    ctx->saved_data["cuda"] = false;
-    ctx->saved_data["relu"] = relu;
-    ctx->saved_data["x_sizes"] = x.sizes().vec();
-    return {y.view(sizes)};
-  }
-
-  // CUDA: the products through cuBLAS (at::addmm / at::mm), in one autograd node instead of
-  // LibTorch's linear, matmul, view and transpose nodes; dx is skipped when x needs no gradient
-  // (the scorer's detached inputs).
-  static variable_list forward_cuda(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                                    const at::Tensor& b, bool relu) {
-    const int64_t in = w.size(1), out = w.size(0);
-    at::Tensor x2 = x.reshape({-1, in});
-    at::Tensor y = b.numel() ? at::addmm(b, x2, w.t()) : at::mm(x2, w.t());
-    if (relu) y.relu_();
+    const bool cuda = x.is_cuda();
+    at::Tensor x2 = x.reshape({-1, in}), y;
+    if (cuda) {
+      y = b.numel() ? at::addmm(b, x2, w.t()) : at::mm(x2, w.t());
+      if (relu) y.relu_();
+    } else {
+      x2 = x2.contiguous(), w = w.contiguous(), b = b.contiguous();
+      y = at::empty({x2.size(0), out}, x.options());
+      LinearParams p = make_params(x2, w, b);
+      p.y = y.data_ptr();
+      p.relu = relu;
+      if (p.rows > 0) linear_forward_cpu(p, x.scalar_type());
+    }
     ctx->save_for_backward({x2, w, b, relu ? y : at::empty({0}, x.options())});
-    ctx->saved_data["cuda"] = true;
+    ctx->saved_data["cuda"] = cuda;
     ctx->saved_data["relu"] = relu;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     auto sizes = x.sizes().vec();
     sizes.back() = out;
     return {y.view(sizes)};
-  }
-
-  static variable_list backward_cuda(AutogradContext* ctx, const variable_list& grads) {
-    auto s = ctx->get_saved_variables();
-    const at::Tensor &x2 = s[0], &w = s[1], &b = s[2];
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    at::Tensor dy = grads[0].reshape({-1, w.size(0)});
-    if (ctx->saved_data["relu"].toBool()) dy = at::threshold_backward(dy, s[3], 0);  // relu' from the output
-    at::Tensor dx;
-    if (ctx->needs_input_grad(0)) dx = at::mm(dy, w).view(ctx->saved_data["x_sizes"].toIntVector());
-    at::Tensor dw = ctx->needs_input_grad(1) ? at::mm(dy.t(), x2) : at::Tensor();
-    at::Tensor db = b.numel() && ctx->needs_input_grad(2) ? dy.sum(0) : at::Tensor();
-    return {dx, dw, db, at::Tensor()};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (ctx->saved_data["cuda"].toBool()) return backward_cuda(ctx, grads);
     auto s = ctx->get_saved_variables();
     const at::Tensor &x2 = s[0], &w = s[1], &b = s[2];
-    auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    at::Tensor dy = grads[0].reshape({-1, w.size(0)}).contiguous();
-    if (ctx->saved_data["relu"].toBool()) dy = dy * (s[3] > 0).to(dy.scalar_type());  // relu' from the output
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    at::Tensor dy = grads[0].reshape({-1, w.size(0)});
+    if (ctx->saved_data["relu"].toBool()) dy = at::threshold_backward(dy, s[3], 0);  // relu' from the output
+    if (ctx->saved_data["cuda"].toBool()) {
+      at::Tensor dx = ctx->needs_input_grad(0) ? at::mm(dy, w).view(x_sizes) : at::Tensor();
+      at::Tensor dw = ctx->needs_input_grad(1) ? at::mm(dy.t(), x2) : at::Tensor();
+      at::Tensor db = b.numel() && ctx->needs_input_grad(2) ? dy.sum(0) : at::Tensor();
+      return {dx, dw, db, at::Tensor()};
+    }
+    dy = dy.contiguous();
     LinearGradParams g;
     g.fwd = make_params(x2, w, b);
     at::Tensor dx = at::empty_like(x2), dw = at::empty_like(w), db = b.numel() ? at::empty_like(b) : at::Tensor();
