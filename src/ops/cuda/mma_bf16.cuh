@@ -2,15 +2,17 @@
 // accumulation), shared by the causal attention kernels and the sparse attention tile kernels.
 //
 // Operand tiles sit in shared memory row-major with a row stride S (bfloat16 entries; S = head
-// dim + 8 keeps the fragment reads on 32 distinct banks). Fragments (PTX ISA, mma.m16n8k16,
-// g = lane / 4, t = lane % 4):
+// dim + 8: rows are 16-byte aligned and the 8 rows of an 8 x 8 matrix fall on 8 distinct 16-byte
+// bank groups). Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
 //   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B (16 x 8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
 //   C (16 x 8, float):      c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
-// The C fragments of two adjacent 8-column tiles are exactly the A fragment of a 16-wide k step,
-// so P (resp. dS) goes from the first product to the second in registers. A B operand stored with
-// k contiguous (K for S = Q K^T) is read 32 bits at a time; one stored with n contiguous (V for
-// O = P V) is assembled from two 16-bit reads.
+// Each fragment register is one 8 x 8 matrix of ldmatrix (row r = lane / 4, columns 2 (lane % 4),
+// +1), so fragments are read 4 matrices per instruction (ldmatrix.x4): an A fragment, or the B
+// fragments of two adjacent 8-column tiles. A B operand stored with k contiguous (K for
+// S = Q K^T) is read as is; one stored with n contiguous (V for O = P V) is read transposed
+// (ldmatrix.trans). The C fragments of two adjacent 8-column tiles are exactly the A fragment of
+// a 16-wide k step, so P (resp. dS) goes from the first product to the second in registers.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -20,11 +22,23 @@ namespace hax::ops::cuda::mma {
 
 using bf16 = __nv_bfloat16;
 
-__device__ __forceinline__ uint32_t ld32(const bf16* ptr) { return *reinterpret_cast<const uint32_t*>(ptr); }
-// Two bfloat16 from separate addresses in one register, `lo` in the low half.
-__device__ __forceinline__ uint32_t ld_pair(const bf16* lo, const bf16* hi) {
-  return (uint32_t)__bfloat16_as_ushort(*lo) | ((uint32_t)__bfloat16_as_ushort(*hi) << 16);
+// The 4 matrices of ldmatrix.x4 from shared memory: lane l gives the address of row l % 8 of
+// matrix l / 8 (16 bytes, 16-byte aligned); r[m] receives matrix m's entries (l / 4, 2 (l % 4)..+1),
+// or with kTrans those of its transpose.
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* row) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
 }
+__device__ __forceinline__ int lane_of() { return (int)(threadIdx.x & 31); }
+
 // Two floats rounded to bfloat16 in one register, `lo` in the low half (the lower k index).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(lo)) |
@@ -40,30 +54,29 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// A fragment of rows r0..r0+15, columns k0..k0+15 of the row-major tile X (row stride S).
+// A fragment of rows r0..r0+15, columns k0..k0+15 of the row-major tile X (row stride S):
+// matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8).
 template <int S>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, int k0, int g, int t) {
-  const bf16* p = X + (r0 + g) * S + k0 + 2 * t;
-  a[0] = ld32(p);
-  a[1] = ld32(p + 8 * S);
-  a[2] = ld32(p + 8);
-  a[3] = ld32(p + 8 * S + 8);
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, int k0) {
+  const int l = lane_of(), m = l / 8;
+  ldsm_x4<false>(a, X + (r0 + l % 8 + (m & 1) * 8) * S + k0 + (m >> 1) * 8);
 }
 
-// B fragment (k0..k0+15) x (n0..n0+7) of B = Y^T, Y row-major (n, k) with row stride S.
+// B fragments (k0..k0+15) x (n0..n0+7) and x (n0+8..n0+15) of B = Y^T, Y row-major (n, k) with
+// row stride S: b = {b0, b1 of columns n0.., b0, b1 of columns n0+8..}; matrices (n +0, k +0),
+// (+0, +8), (+8, +0), (+8, +8).
 template <int S>
-__device__ __forceinline__ void load_b_nk(uint32_t& b0, uint32_t& b1, const bf16* Y, int n0, int k0, int g, int t) {
-  const bf16* p = Y + (n0 + g) * S + k0 + 2 * t;
-  b0 = ld32(p);
-  b1 = ld32(p + 8);
+__device__ __forceinline__ void load_b_nk2(uint32_t (&b)[4], const bf16* Y, int n0, int k0) {
+  const int l = lane_of(), m = l / 8;
+  ldsm_x4<false>(b, Y + (n0 + l % 8 + (m >> 1) * 8) * S + k0 + (m & 1) * 8);
 }
 
-// B fragment (k0..k0+15) x (n0..n0+7) of B = Y, Y row-major (k, n) with row stride S.
+// The same two B fragments of B = Y, Y row-major (k, n) with row stride S: the transposes of the
+// matrices (k +0, n +0), (+8, +0), (+0, +8), (+8, +8).
 template <int S>
-__device__ __forceinline__ void load_b_kn(uint32_t& b0, uint32_t& b1, const bf16* Y, int k0, int n0, int g, int t) {
-  const bf16* p = Y + (k0 + 2 * t) * S + n0 + g;
-  b0 = ld_pair(p, p + S);
-  b1 = ld_pair(p + 8 * S, p + 9 * S);
+__device__ __forceinline__ void load_b_kn2(uint32_t (&b)[4], const bf16* Y, int k0, int n0) {
+  const int l = lane_of(), m = l / 8;
+  ldsm_x4<true>(b, Y + (k0 + l % 8 + (m & 1) * 8) * S + n0 + (m >> 1) * 8);
 }
 
 // The A fragment of k step kk (columns 16kk..16kk+15) from the C fragments of a (16, 8 NT) tile.
@@ -75,18 +88,21 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4]
   a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
-// s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S).
+// s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S;
+// NT even). g, t: the lane's fragment row and column (unused: ldmatrix addresses come from the lane).
 template <int DB, int NT, int S>
-__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, int g, int t) {
+__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, int, int) {
+  static_assert(NT % 2 == 0, "warp_dot reads B fragments two 8-column tiles at a time");
 #pragma unroll
   for (int ks = 0; ks < DB / 16; ++ks) {
     uint32_t a[4];
-    load_a<S>(a, X, r0, ks * 16, g, t);
+    load_a<S>(a, X, r0, ks * 16);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      uint32_t b0, b1;
-      load_b_nk<S>(b0, b1, Y, nt * 8, ks * 16, g, t);
-      mma(s[nt], a, b0, b1);
+    for (int nt = 0; nt < NT; nt += 2) {
+      uint32_t b[4];
+      load_b_nk2<S>(b, Y, nt * 8, ks * 16);
+      mma(s[nt], a, b[0], b[1]);
+      mma(s[nt + 1], a, b[2], b[3]);
     }
   }
 }
@@ -94,16 +110,18 @@ __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r
 // acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S).
 template <int DB, int NT, int S>
 __device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
-                                                int g, int t) {
+                                                int, int) {
+  static_assert(DB % 16 == 0, "warp_accumulate reads B fragments two 8-column tiles at a time");
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
     uint32_t a[4];
     c_to_a<NT>(a, pc, kk);
 #pragma unroll
-    for (int nt = 0; nt < DB / 8; ++nt) {
-      uint32_t b0, b1;
-      load_b_kn<S>(b0, b1, Y, kk * 16, nt * 8, g, t);
-      mma(acc[nt], a, b0, b1);
+    for (int nt = 0; nt < DB / 8; nt += 2) {
+      uint32_t b[4];
+      load_b_kn2<S>(b, Y, kk * 16, nt * 8);
+      mma(acc[nt], a, b[0], b[1]);
+      mma(acc[nt + 1], a, b[2], b[3]);
     }
   }
 }
