@@ -89,9 +89,11 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4]
 }
 
 // s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S;
-// NT even). g, t: the lane's fragment row and column (unused: ldmatrix addresses come from the lane).
+// NT even). `live` bit c off: the 16 columns 16c..16c+15 are skipped (their s entries are left as
+// they are; the caller masks them).
 template <int DB, int NT, int S>
-__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, int, int) {
+__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y,
+                                         unsigned live = ~0u) {
   static_assert(NT % 2 == 0, "warp_dot reads B fragments two 8-column tiles at a time");
 #pragma unroll
   for (int ks = 0; ks < DB / 16; ++ks) {
@@ -99,6 +101,7 @@ __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r
     load_a<S>(a, X, r0, ks * 16);
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
+      if (!((live >> (nt / 2)) & 1u)) continue;
       uint32_t b[4];
       load_b_nk2<S>(b, Y, nt * 8, ks * 16);
       mma(s[nt], a, b[0], b[1]);
@@ -107,13 +110,15 @@ __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r
   }
 }
 
-// acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S).
+// acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S). `live`
+// bit kk off: P's columns 16kk..16kk+15 are zero and skipped.
 template <int DB, int NT, int S>
 __device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
-                                                int, int) {
+                                                unsigned live = ~0u) {
   static_assert(DB % 16 == 0, "warp_accumulate reads B fragments two 8-column tiles at a time");
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
+    if (!((live >> kk) & 1u)) continue;
     uint32_t a[4];
     c_to_a<NT>(a, pc, kk);
 #pragma unroll

@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
     const int buf = ts.begin(tt);
     const float* bias2 = bs.bias2[buf];
     float s[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf), g, t);
+    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf));
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
         mx[r] = fmaxf(mx[r], s[nt][e]);
       }
     online_softmax_step<NT, DT>(s, mx, m, l, o);  // a query with no listed key yet keeps m = -inf
-    warp_accumulate<DB, NT, S>(o, s, ts.V(buf), g, t);
+    warp_accumulate<DB, NT, S>(o, s, ts.V(buf));
     ts.end();
   }
 
@@ -367,8 +367,8 @@ __global__ void __launch_bounds__(kThreads)
     const int buf = ts.begin(tt);
     const float* bias2 = bs.bias2[buf];
     float s[NT][4] = {}, dp[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf), g, t);
-    warp_dot<DB, NT, S>(dp, sdO, r0, ts.V(buf), g, t);
+    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf));
+    warp_dot<DB, NT, S>(dp, sdO, r0, ts.V(buf));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(kThreads)
         const float pr = (bits[r] >> c) & 1ull ? exp2f(s[nt][e] * z.scale2 + bias2[c] - lse2[r]) : 0.f;
         s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
       }
-    warp_accumulate<DB, NT, S>(acc, s, ts.K(buf), g, t);  // dQ += dS K
+    warp_accumulate<DB, NT, S>(acc, s, ts.K(buf));  // dQ += dS K
     ts.end();
   }
   const float scale[2] = {z.scale, z.scale};
@@ -423,8 +423,8 @@ __global__ void __launch_bounds__(kThreads)
     const float* bias2 = bs.bias2[buf];
     const int kr[2] = {r0 + g, r0 + g + 8};  // the thread's two key rows of the tile
     float st[NT][4] = {}, dpt[NT][4] = {}, db[2] = {0.f, 0.f};
-    warp_dot<DB, NT, S>(st, ts.K(buf), r0, sQ, g, t);
-    warp_dot<DB, NT, S>(dpt, ts.V(buf), r0, sdO, g, t);
+    warp_dot<DB, NT, S>(st, ts.K(buf), r0, sQ);
+    warp_dot<DB, NT, S>(dpt, ts.V(buf), r0, sdO);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -437,8 +437,8 @@ __global__ void __launch_bounds__(kThreads)
         db[r] += dpt[nt][e];
       }
     float dk[DT][4] = {}, dv[DT][4] = {};
-    warp_accumulate<DB, NT, S>(dv, st, sdO, g, t);  // dV = P^T dO
-    warp_accumulate<DB, NT, S>(dk, dpt, sQ, g, t);  // dK = dS^T Q
+    warp_accumulate<DB, NT, S>(dv, st, sdO);  // dV = P^T dO
+    warp_accumulate<DB, NT, S>(dk, dpt, sQ);  // dK = dS^T Q
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float dbr = sum4(db[r]);

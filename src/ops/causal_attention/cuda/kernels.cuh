@@ -1,6 +1,6 @@
 // The causal attention kernel families, launched by launch.cu: float32 FMA tiles (simt.cu, float32
-// and bfloat16 storage) and bfloat16 tensor-core tiles (mma.cu). The backward launchers expect Δ
-// (gp.workspace) already computed by compute_delta.
+// and bfloat16 storage) and bfloat16 tensor-core tiles (mma.cu). backward_simt expects Δ
+// (gp.workspace) already computed (launch.cu); backward_mma computes it itself.
 #pragma once
 #include <cuda_runtime.h>
 

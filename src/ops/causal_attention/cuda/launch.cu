@@ -1,6 +1,7 @@
 // The CUDA entry points of causal attention: pick the tile family (tensor cores for bfloat16
-// unless switched off, float32 FMA tiles otherwise) and, for the backward, first compute
-// Δ_i = dO_i · O_i - dlse_i (one warp per (b, i, h) row, float32, into the workspace (B, H, L)).
+// unless switched off, float32 FMA tiles otherwise). The backward needs Δ_i = dO_i · O_i - dlse_i
+// (float32, in the workspace (B, H, L)): the tensor-core dQ kernel computes it for its rows; for
+// the FMA tiles a kernel here does first (one warp per (b, i, h) row).
 #include "ops/causal_attention/cuda/kernels.cuh"
 #include "ops/causal_attention/cuda/tiles.cuh"
 
@@ -43,11 +44,14 @@ void causal_attention_backward_cuda(const CausalAttentionGradParams& gp, DType d
   const int64_t rows = p.batch * p.seqlen * p.nheads;
   if (rows == 0) return;
   const auto s = (cudaStream_t)stream;
+  if (use_tensor_cores(p, dtype)) {
+    causal_cuda::backward_mma(gp, s);
+    return;
+  }
   const unsigned grid = (unsigned)cuda::ceil_div(rows, kDeltaWarps);
   HAX_DISPATCH_DTYPE(dtype, [&] { delta_kernel<scalar_t><<<grid, 32 * kDeltaWarps, 0, s>>>(gp, rows); });
   cuda::check_launch("causal_attention_backward_cuda (delta)");
-  if (use_tensor_cores(p, dtype)) causal_cuda::backward_mma(gp, s);
-  else causal_cuda::backward_simt(gp, dtype, s);
+  causal_cuda::backward_simt(gp, dtype, s);
 }
 
 }  // namespace hax::ops

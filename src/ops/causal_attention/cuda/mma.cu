@@ -4,22 +4,18 @@
 // P and dS are rounded to bfloat16 to enter the second product of each step (as in
 // FlashAttention-2).
 //
-// A block is 4 warps and owns 64 rows (queries for the forward and dQ, keys for dK/dV); warp w
+// A block is 8 warps and owns 128 rows (queries for the forward and dQ, keys for dK/dV); warp w
 // owns rows 16w..16w+15 and loops over column tiles (keys, resp. queries) of BN. Operand tiles sit
-// in shared memory row-major, (rows, DB + 8) bfloat16 (8 entries of padding: the fragment reads
-// below hit 32 distinct banks). Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
-//   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
-//   B (16 x 8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
-//   C (16 x 8, float):      c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
-// The C fragments of two adjacent 8-column tiles are exactly the A fragment of a 16-wide k step,
-// so P (resp. dS) goes from the first product to the second in registers. A B operand stored with
-// k contiguous (K for S = Q K^T) is read 32 bits at a time; one stored with n contiguous (V for
-// O = P V) is assembled from two 16-bit reads.
+// in shared memory row-major, (rows, DB + 8) bfloat16; ops/cuda/mma_bf16.cuh has the fragments
+// (read with ldmatrix). A warp skips the 16-column groups of a tile that none of its rows sees
+// (live_groups): with a window, its 16 rows need about W + 16 of the block's columns.
 //
 // forward: S = Q K^T, online softmax (per-thread partial row sums, reduced over the row's 4 lanes
 //   at the end), O += P V.
-// dQ: S = Q K^T, dP = dO V^T, dS = P ∘ (dP - Δ), dQ += dS K.
-// dK, dV: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+// dQ: Δ = dO·O - dlse of the block's rows first (written to gp.workspace for the dK/dV kernel,
+//   launched after it), then S = Q K^T, dP = dO V^T, dS = P ∘ (dP - Δ), dQ += dS K.
+// dK, dV: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, over query sub-tiles of 32
+//   (the two float32 accumulators of 16 x DB leave room for little more in registers).
 // No atomics: each gradient entry is accumulated by one thread in a fixed order.
 #include <algorithm>
 #include <cstdint>
@@ -35,8 +31,11 @@ namespace {
 
 using namespace ::hax::ops::cuda::mma;
 
-constexpr int kThreads = 128;  // 4 warps
-constexpr int kRows = 64;      // rows per block, 16 per warp
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kRows = 128;     // rows per block, 16 per warp
+// Blocks per SM the register budget aims at (__launch_bounds__): 2 (<= 128 registers a thread),
+// except where the accumulators alone need more (dK and dV at head dim 128).
+constexpr int kMinBlocks = 2;
 
 // Whether tiles can be copied 16 bytes at a time (head dim a multiple of 8, base 16-byte aligned).
 struct VecLoads {
@@ -56,7 +55,7 @@ struct FwdCfg {
 };
 
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec) {
   using Cfg = FwdCfg<DB, kAsync>;
   constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
   extern __shared__ uint4 smem_u4[];
@@ -73,9 +72,12 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
   const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
 
   const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};  // the thread's two query rows
-  int lo[2];
+  int lo[2], hi[2];                                    // the keys each row sees (empty past L)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) lo[r] = row[r] < L ? first_key(seq, dm.W, row[r]) : INT_MAX;
+  for (int r = 0; r < 2; ++r) {
+    lo[r] = row[r] < L ? first_key(seq, dm.W, row[r]) : INT_MAX;
+    hi[r] = row[r] < L ? row[r] : -1;
+  }
   const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
   // Tile kt's keys and values into buffer b (asynchronous path).
   auto issue = [&](int kt, int b) {
@@ -111,19 +113,22 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
       load_rows_bf16(sV0, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
       __syncthreads();
     }
-    float s[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
-    float mx[2] = {-INFINITY, -INFINITY};
+    const unsigned live = live_groups<BN / 16>(j0, lo, hi);
+    if (live) {
+      float s[NT][4] = {};
+      warp_dot<DB, NT, S>(s, sQ, r0, sK, live);
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
-        s[nt][e] = (j <= row[r] && j >= lo[r]) ? s[nt][e] * dm.scale2 : -INFINITY;
-        mx[r] = fmaxf(mx[r], s[nt][e]);
-      }
-    online_softmax_step<NT, DT>(s, mx, m, l, o);
-    warp_accumulate<DB, NT, S>(o, s, sV, g, t);
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
+          s[nt][e] = (j <= row[r] && j >= lo[r]) ? s[nt][e] * dm.scale2 : -INFINITY;
+          mx[r] = fmaxf(mx[r], s[nt][e]);
+        }
+      online_softmax_step<NT, DT>(s, mx, m, l, o);
+      warp_accumulate<DB, NT, S>(o, s, sV, live);
+    }
     if constexpr (kAsync) __syncthreads();  // this buffer is refilled by the next iteration's issue
   }
 
@@ -143,11 +148,50 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
 template <int DB, bool kAsync>
 struct DqCfg {
   static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8, NB = kAsync ? 2 : 1;
-  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * NB * BN) * S;  // sQ, sdO, sK[NB], sV[NB]
+  // sQ, sdO, sK[NB], sV[NB], then Δ of the block's rows (float32)
+  static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * NB * BN) * S + sizeof(float) * kRows;
 };
 
+// Δ_i = dO_i·O_i - dlse_i of the block's rows i0 + rr (rr < kRows) into sDl[rr] (0 past L) and
+// into delta (the (b, h) row of the workspace): two threads per row, each over half of the head
+// dim; dO comes from the shared tile sdO (stride S), O from global memory.
+template <int DB, int S>
+__device__ __forceinline__ void block_delta(float* sDl, float* delta, const bf16* sdO, const bf16* out, int64_t sv,
+                                            const float* dlse, int i0, const Dims& dm, bool vec) {
+  static_assert(kThreads == 2 * kRows, "two threads per row");
+  const int rr = threadIdx.x / 2, half = threadIdx.x % 2, i = i0 + rr;
+  float part = 0.f;
+  if (i < dm.L) {
+    const bf16* o = out + (int64_t)i * sv;
+    const bf16* d_o = sdO + rr * S;
+    if (vec) {  // Dv % 8 == 0, aligned: 16-byte loads of O, all issued before use
+      uint4 chunk[DB / 16];
+#pragma unroll
+      for (int c = 0; c < DB / 16; ++c) {
+        const int d = half * (DB / 2) + c * 8;
+        chunk[c] = d < dm.Dv ? *reinterpret_cast<const uint4*>(o + d) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int c = 0; c < DB / 16; ++c) {
+        const int d = half * (DB / 2) + c * 8;
+        const bf16* ov = reinterpret_cast<const bf16*>(&chunk[c]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part += __bfloat162float(ov[e]) * __bfloat162float(d_o[d + e]);
+      }
+    } else {
+      for (int d = half; d < dm.Dv; d += 2) part += __bfloat162float(o[d]) * __bfloat162float(d_o[d]);
+    }
+  }
+  part += __shfl_xor_sync(0xffffffffu, part, 1);
+  if (half == 0) {
+    const float dl = i < dm.L ? part - (dlse ? dlse[i] : 0.f) : 0.f;
+    sDl[rr] = dl;
+    if (i < dm.L) delta[i] = dl;
+  }
+}
+
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
   using Cfg = DqCfg<DB, kAsync>;
   constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
@@ -156,6 +200,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
   bf16* sdO = sQ + kRows * S;
   bf16* sK0 = sdO + kRows * S;
   bf16* sV0 = sK0 + Cfg::NB * BN * S;
+  float* sDl = reinterpret_cast<float*>(sV0 + Cfg::NB * BN * S);
   const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
   const int bh = bh_of(dm), b = bh / H, h = bh % H, i0 = tile_of(dm, true) * kRows;
   const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
@@ -165,19 +210,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
   const bf16* v = (const bf16*)p.v + off_v;
   const bf16* dout = (const bf16*)gp.dout + off_v;
   const float* lse = (const float*)p.lse + (int64_t)bh * L;
-  const float* delta = (const float*)gp.workspace + (int64_t)bh * L;
+  float* delta = (float*)gp.workspace + (int64_t)bh * L;
+  const float* dlse = gp.dlse ? (const float*)gp.dlse + (int64_t)bh * L : nullptr;
   const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
 
-  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
-  int lo[2];
-  float lse2[2], dl[2];  // lse in base 2 and Δ of the two rows
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const bool in = row[r] < L;
-    lo[r] = in ? first_key(seq, dm.W, row[r]) : INT_MAX;
-    lse2[r] = in ? lse[row[r]] * kLog2e : 0.f;
-    dl[r] = in ? delta[row[r]] : 0.f;
-  }
   const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
   auto issue = [&](int kt, int b) {
     const int j0 = kt * BN;
@@ -191,9 +227,25 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
     cuda::async_rows<S>(sQ, q, sqk, qpos, kRows, dm.D, DB);
     cuda::async_rows<S>(sdO, dout, sv, qpos, kRows, dm.Dv, DB);
     issue(kt_begin, 0);
+    cuda::cp_async_wait<0>();  // sdO for Δ (the first key tile comes with it)
   } else {
     load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
     load_rows_bf16(sdO, S, dout, sv, i0, kRows, L, dm.Dv, DB, vec.v);
+  }
+  __syncthreads();
+  block_delta<DB, S>(sDl, delta, sdO, (const bf16*)p.out + off_v, sv, dlse, i0, dm, vec.v);
+  __syncthreads();
+
+  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
+  int lo[2], hi[2];
+  float lse2[2], dl[2];  // lse in base 2 and Δ of the two rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool in = row[r] < L;
+    lo[r] = in ? first_key(seq, dm.W, row[r]) : INT_MAX;
+    hi[r] = in ? row[r] : -1;
+    lse2[r] = in ? lse[row[r]] * kLog2e : 0.f;
+    dl[r] = sDl[r0 + g + 8 * r];
   }
 
   float acc[DT][4] = {};
@@ -215,18 +267,21 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
       load_rows_bf16(sV0, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
       __syncthreads();
     }
-    float s[NT][4] = {}, dp[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, sK, g, t);
-    warp_dot<DB, NT, S>(dp, sdO, r0, sV, g, t);
+    const unsigned live = live_groups<BN / 16>(j0, lo, hi);
+    if (live) {
+      float s[NT][4] = {}, dp[NT][4] = {};
+      warp_dot<DB, NT, S>(s, sQ, r0, sK, live);
+      warp_dot<DB, NT, S>(dp, sdO, r0, sV, live);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
-        const float pr = (j <= row[r] && j >= lo[r]) ? exp2f(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
-        s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
-      }
-    warp_accumulate<DB, NT, S>(acc, s, sK, g, t);  // dQ += dS K
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
+          const float pr = (j <= row[r] && j >= lo[r]) ? exp2f(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
+          s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
+        }
+      warp_accumulate<DB, NT, S>(acc, s, sK, live);  // dQ += dS K
+    }
     if constexpr (kAsync) __syncthreads();
   }
   const float scale[2] = {(float)p.scale, (float)p.scale};
@@ -235,22 +290,25 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
 
 template <int DB, bool kAsync>
 struct DkdvCfg {
-  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8, NB = kAsync ? 2 : 1;  // BN queries per step
+  static constexpr int BN = DB == 128 ? 32 : 64;  // queries staged per step
+  static constexpr int SUB = 32;                   // queries per product step (BN / SUB steps)
+  static constexpr int S = DB + 8, NB = kAsync ? 2 : 1;
   static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * NB * BN) * S + sizeof(float) * 2 * NB * BN;
 };
 
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 1)
+    dkdv_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
   using Cfg = DkdvCfg<DB, kAsync>;
-  constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
+  constexpr int BN = Cfg::BN, SUB = Cfg::SUB, S = Cfg::S, NT = SUB / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
   bf16* sK = reinterpret_cast<bf16*>(smem_u4);
   bf16* sV = sK + kRows * S;
   bf16* sQ0 = sV + kRows * S;
   bf16* sdO0 = sQ0 + Cfg::NB * BN * S;
-  float* sLse20 = reinterpret_cast<float*>(sdO0 + Cfg::NB * BN * S);  // 16-byte aligned: S is a multiple of 8
-  float* sDl0 = sLse20 + Cfg::NB * BN;
+  float* sLse0 = reinterpret_cast<float*>(sdO0 + Cfg::NB * BN * S);  // 16-byte aligned: S is a multiple of 8
+  float* sDl0 = sLse0 + Cfg::NB * BN;
   const int L = dm.L, H = dm.H, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = threadIdx.x / 32 * 16;
   const int bh = bh_of(dm), b = bh / H, h = bh % H, j0 = tile_of(dm, false) * kRows;
   const int64_t sqk = (int64_t)H * dm.D, sv = (int64_t)H * dm.Dv;
@@ -264,9 +322,12 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
   const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
 
   const int row[2] = {j0 + r0 + g, j0 + r0 + g + 8};  // the thread's two key rows
-  int hi[2];
+  int lo[2], hi[2];                                    // the queries each key is seen by (empty past L)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) hi[r] = row[r] < L ? last_query(seq, L, dm.W, row[r]) : -1;
+  for (int r = 0; r < 2; ++r) {
+    lo[r] = row[r] < L ? row[r] : INT_MAX;
+    hi[r] = row[r] < L ? last_query(seq, L, dm.W, row[r]) : -1;
+  }
   const int qt_begin = j0 / BN, qt_end = last_query(seq, L, dm.W, min(j0 + kRows - 1, L - 1)) / BN;
   // Query tile qt's rows, lse and Δ into buffer b (the copies asynchronous when kAsync).
   auto stage = [&](int qt, int b) {
@@ -275,16 +336,22 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
       auto pos = [&](int r) { return i0 + r < L ? i0 + r : -1; };
       cuda::async_rows<S>(sQ0 + b * BN * S, q, sqk, pos, BN, dm.D, DB);
       cuda::async_rows<S>(sdO0 + b * BN * S, dout, sv, pos, BN, dm.Dv, DB);
+      for (int c = threadIdx.x; c < 2 * BN; c += kThreads) {
+        const int i = i0 + c % BN;
+        const float* src = c < BN ? lse : delta;
+        float* dst = c < BN ? sLse0 : sDl0;
+        cuda::cp_async4(dst + b * BN + c % BN, i < L ? src + i : src, i < L);
+      }
+      cuda::cp_async_commit();
     } else {
       load_rows_bf16(sQ0, S, q, sqk, i0, BN, L, dm.D, DB, vec.qk);
       load_rows_bf16(sdO0, S, dout, sv, i0, BN, L, dm.Dv, DB, vec.v);
+      for (int c = threadIdx.x; c < BN; c += kThreads) {
+        const int i = i0 + c;
+        sLse0[c] = i < L ? lse[i] : 0.f;
+        sDl0[c] = i < L ? delta[i] : 0.f;
+      }
     }
-    for (int c = threadIdx.x; c < BN; c += kThreads) {
-      const int i = i0 + c;
-      sLse20[b * BN + c] = i < L ? lse[i] * kLog2e : 0.f;
-      sDl0[b * BN + c] = i < L ? delta[i] : 0.f;
-    }
-    if constexpr (kAsync) cuda::cp_async_commit();
   };
   if constexpr (kAsync) {
     auto kpos = [&](int r) { return j0 + r < L ? j0 + r : -1; };
@@ -299,10 +366,6 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
   float dk[DT][4] = {}, dv[DT][4] = {};
   for (int qt = qt_begin; qt <= qt_end; ++qt) {
     const int i0 = qt * BN, buf = kAsync ? (qt - qt_begin) & 1 : 0;
-    const bf16* sQ = sQ0 + buf * BN * S;
-    const bf16* sdO = sdO0 + buf * BN * S;
-    const float* sLse2 = sLse20 + buf * BN;
-    const float* sDl = sDl0 + buf * BN;
     if constexpr (kAsync) {
       if (qt < qt_end) {
         stage(qt + 1, buf ^ 1);
@@ -312,24 +375,35 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
       }
       __syncthreads();
     } else {
-      __syncthreads();  // the previous tile's sQ, sdO, sLse2, sDl are read
+      __syncthreads();  // the previous tile's sQ, sdO, sLse, sDl are read
       stage(qt, 0);
       __syncthreads();
     }
-    float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
-    warp_dot<DB, NT, S>(st, sK, r0, sQ, g, t);
-    warp_dot<DB, NT, S>(dpt, sV, r0, sdO, g, t);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int sub = 0; sub < BN / SUB; ++sub) {
+      const int c0 = sub * SUB;  // the step's first query within the tile
+      const unsigned live = live_groups<SUB / 16>(i0 + c0, lo, hi);
+      if (!live) continue;
+      const bf16* sQ = sQ0 + (buf * BN + c0) * S;
+      const bf16* sdO = sdO0 + (buf * BN + c0) * S;
+      const float* sLse = sLse0 + buf * BN + c0;
+      const float* sDl = sDl0 + buf * BN + c0;
+      float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
+      warp_dot<DB, NT, S>(st, sK, r0, sQ, live);
+      warp_dot<DB, NT, S>(dpt, sV, r0, sdO, live);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c;
-        const float pr = (i >= row[r] && i <= hi[r]) ? exp2f(st[nt][e] * dm.scale2 - sLse2[c]) : 0.f;
-        st[nt][e] = pr;
-        dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
-      }
-    warp_accumulate<DB, NT, S>(dv, st, sdO, g, t);  // dV += P^T dO
-    warp_accumulate<DB, NT, S>(dk, dpt, sQ, g, t);  // dK += dS^T Q
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c0 + c;
+          const float pr =
+              (i >= row[r] && i <= hi[r]) ? exp2f(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
+          st[nt][e] = pr;
+          dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
+        }
+      warp_accumulate<DB, NT, S>(dv, st, sdO, live);  // dV += P^T dO
+      warp_accumulate<DB, NT, S>(dk, dpt, sQ, live);  // dK += dS^T Q
+    }
     if constexpr (kAsync) __syncthreads();
   }
   const float scale[2] = {(float)p.scale, (float)p.scale}, one[2] = {1.f, 1.f};

@@ -104,6 +104,20 @@ __device__ __forceinline__ int last_query(const int32_t* seq, int L, int W, int 
   return hi;
 }
 
+// Which 16-column groups of a column tile [c0, c0 + 16 NG) a warp needs: bit c is set iff some
+// lane's row meets the group, row r of the lane seeing the columns [a[r], b[r]] (empty when
+// a[r] > b[r]). The result is the same on every lane of the warp (all 32 lanes must call it).
+template <int NG>
+__device__ __forceinline__ unsigned live_groups(int c0, const int (&a)[2], const int (&b)[2]) {
+  unsigned bits = 0;
+#pragma unroll
+  for (int c = 0; c < NG; ++c)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (a[r] <= c0 + 16 * c + 15 && b[r] >= c0 + 16 * c) bits |= 1u << c;
+  return __reduce_or_sync(0xffffffffu, bits);
+}
+
 // dst[r * dst_stride + c] = src[(row0 + r) * src_stride + c] as float for r < nrows, c < ncols,
 // zero where row0 + r >= L or c >= nvalid (so padded rows and columns add nothing).
 template <class T>
