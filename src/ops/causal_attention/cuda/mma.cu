@@ -4,7 +4,7 @@
 // P and dS are rounded to bfloat16 to enter the second product of each step (as in
 // FlashAttention-2).
 //
-// A block is 8 warps and owns 128 rows (queries for the forward and dQ, keys for dK/dV); warp w
+// A block is 4 warps and owns 64 rows (queries for the forward and dQ, keys for dK/dV); warp w
 // owns rows 16w..16w+15 and loops over column tiles (keys, resp. queries) of BN. Operand tiles sit
 // in shared memory row-major, (rows, DB + 8) bfloat16; ops/cuda/mma_bf16.cuh has the fragments
 // (read with ldmatrix). A warp skips the 16-column groups of a tile that none of its rows sees
@@ -31,11 +31,13 @@ namespace {
 
 using namespace ::hax::ops::cuda::mma;
 
-constexpr int kThreads = 256;  // 8 warps
-constexpr int kRows = 128;     // rows per block, 16 per warp
-// Blocks per SM the register budget aims at (__launch_bounds__): 2 (<= 128 registers a thread),
-// except where the accumulators alone need more (dK and dV at head dim 128).
-constexpr int kMinBlocks = 2;
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kRows = 64;      // rows per block, 16 per warp
+// Blocks per SM the register budget aims at (__launch_bounds__): 4 (<= 128 registers a thread),
+// except where the accumulators alone need more (dK and dV at head dim 128). (Blocks of 8 warps
+// and 128 rows measured slower for sliding windows on the H100: fewer blocks overlap their
+// loads.)
+constexpr int kMinBlocks = 4;
 
 // Whether tiles can be copied 16 bytes at a time (head dim a multiple of 8, base 16-byte aligned).
 struct VecLoads {
@@ -297,7 +299,7 @@ struct DkdvCfg {
 };
 
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 1)
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
     dkdv_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
   using Cfg = DkdvCfg<DB, kAsync>;
   constexpr int BN = Cfg::BN, SUB = Cfg::SUB, S = Cfg::S, NT = SUB / 8, DT = DB / 8;
