@@ -90,10 +90,10 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4]
 
 // s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S;
 // NT even). `live` bit c off: the 16 columns 16c..16c+15 are skipped (their s entries are left as
-// they are; the caller masks them).
-template <int DB, int NT, int S>
-__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y,
-                                         unsigned live = ~0u) {
+// they are; the caller masks them). kSkip false: every column is computed (no branches between
+// the loads and products, so the compiler can interleave them).
+template <int DB, int NT, int S, bool kSkip>
+__device__ __forceinline__ void warp_dot_cols(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, unsigned live) {
   static_assert(NT % 2 == 0, "warp_dot reads B fragments two 8-column tiles at a time");
 #pragma unroll
   for (int ks = 0; ks < DB / 16; ++ks) {
@@ -101,7 +101,7 @@ __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r
     load_a<S>(a, X, r0, ks * 16);
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
-      if (!((live >> (nt / 2)) & 1u)) continue;
+      if (kSkip && !((live >> (nt / 2)) & 1u)) continue;
       uint32_t b[4];
       load_b_nk2<S>(b, Y, nt * 8, ks * 16);
       mma(s[nt], a, b[0], b[1]);
@@ -109,16 +109,23 @@ __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r
     }
   }
 }
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y,
+                                         unsigned live = ~0u) {
+  constexpr unsigned all = (1u << (NT / 2)) - 1;
+  if ((live & all) == all) warp_dot_cols<DB, NT, S, false>(s, X, r0, Y, live);
+  else warp_dot_cols<DB, NT, S, true>(s, X, r0, Y, live);
+}
 
 // acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S). `live`
 // bit kk off: P's columns 16kk..16kk+15 are zero and skipped.
-template <int DB, int NT, int S>
-__device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
-                                                unsigned live = ~0u) {
+template <int DB, int NT, int S, bool kSkip>
+__device__ __forceinline__ void warp_accumulate_cols(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
+                                                     unsigned live) {
   static_assert(DB % 16 == 0, "warp_accumulate reads B fragments two 8-column tiles at a time");
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
-    if (!((live >> kk) & 1u)) continue;
+    if (kSkip && !((live >> kk) & 1u)) continue;
     uint32_t a[4];
     c_to_a<NT>(a, pc, kk);
 #pragma unroll
@@ -129,6 +136,13 @@ __device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const f
       mma(acc[nt + 1], a, b[2], b[3]);
     }
   }
+}
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
+                                                unsigned live = ~0u) {
+  constexpr unsigned all = (1u << (NT / 2)) - 1;
+  if ((live & all) == all) warp_accumulate_cols<DB, NT, S, false>(acc, pc, Y, live);
+  else warp_accumulate_cols<DB, NT, S, true>(acc, pc, Y, live);
 }
 
 // Max and sum over the 4 lanes of a fragment row (lanes 4g..4g+3).

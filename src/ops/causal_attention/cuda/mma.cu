@@ -33,10 +33,10 @@ using namespace ::hax::ops::cuda::mma;
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kRows = 64;      // rows per block, 16 per warp
-// Blocks per SM the register budget aims at (__launch_bounds__): 4 (<= 128 registers a thread),
-// except where the accumulators alone need more (dK and dV at head dim 128). (Blocks of 8 warps
-// and 128 rows measured slower for sliding windows on the H100: fewer blocks overlap their
-// loads.)
+// Blocks per SM the register budget aims at (__launch_bounds__): 4 (<= 128 registers a thread)
+// at head dims up to 64; 2 at 128 (the accumulators alone need more, and shared memory allows
+// no more). Blocks of 8 warps and 128 rows measured slower for sliding windows on the H100
+// (fewer blocks overlap their loads).
 constexpr int kMinBlocks = 4;
 
 // Whether tiles can be copied 16 bytes at a time (head dim a multiple of 8, base 16-byte aligned).
@@ -57,7 +57,7 @@ struct FwdCfg {
 };
 
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec) {
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec) {
   using Cfg = FwdCfg<DB, kAsync>;
   constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
   extern __shared__ uint4 smem_u4[];
@@ -120,14 +120,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) forward_kernel(CausalAtt
       float s[NT][4] = {};
       warp_dot<DB, NT, S>(s, sQ, r0, sK, live);
       float mx[2] = {-INFINITY, -INFINITY};
+      auto scores = [&](auto masked) {  // s in log2 units, -inf where not visible
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
-          s[nt][e] = (j <= row[r] && j >= lo[r]) ? s[nt][e] * dm.scale2 : -INFINITY;
-          mx[r] = fmaxf(mx[r], s[nt][e]);
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
+            const bool vis = !decltype(masked)::value || (j <= row[r] && j >= lo[r]);
+            s[nt][e] = vis ? s[nt][e] * dm.scale2 : -INFINITY;
+            mx[r] = fmaxf(mx[r], s[nt][e]);
+          }
+      };
+      if (all_visible(j0, j0 + BN - 1, lo, hi)) scores(std::false_type{});
+      else scores(std::true_type{});
       online_softmax_step<NT, DT>(s, mx, m, l, o);
       warp_accumulate<DB, NT, S>(o, s, sV, live);
     }
@@ -149,7 +154,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) forward_kernel(CausalAtt
 
 template <int DB, bool kAsync>
 struct DqCfg {
-  static constexpr int BN = DB == 128 ? 32 : 64, S = DB + 8, NB = kAsync ? 2 : 1;
+  static constexpr int BN = DB == 128 ? 32 : 64;  // keys staged per step
+  static constexpr int SUB = 32;                   // keys per product step (BN / SUB steps)
+  static constexpr int S = DB + 8, NB = kAsync ? 2 : 1;
   // sQ, sdO, sK[NB], sV[NB], then Δ of the block's rows (float32)
   static constexpr size_t smem = sizeof(bf16) * (2 * kRows + 2 * NB * BN) * S + sizeof(float) * kRows;
 };
@@ -193,9 +200,9 @@ __device__ __forceinline__ void block_delta(float* sDl, float* delta, const bf16
 }
 
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
   using Cfg = DqCfg<DB, kAsync>;
-  constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
+  constexpr int BN = Cfg::BN, SUB = Cfg::SUB, S = Cfg::S, NT = SUB / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
@@ -269,20 +276,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) dq_kernel(CausalAttentio
       load_rows_bf16(sV0, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
       __syncthreads();
     }
-    const unsigned live = live_groups<BN / 16>(j0, lo, hi);
-    if (live) {
+#pragma unroll
+    for (int sub = 0; sub < BN / SUB; ++sub) {
+      const int c0 = j0 + sub * SUB;  // the step's first key
+      const unsigned live = live_groups<SUB / 16>(c0, lo, hi);
+      if (!live) continue;
+      const bf16* sKs = sK + sub * SUB * S;
       float s[NT][4] = {}, dp[NT][4] = {};
-      warp_dot<DB, NT, S>(s, sQ, r0, sK, live);
-      warp_dot<DB, NT, S>(dp, sdO, r0, sV, live);
+      warp_dot<DB, NT, S>(s, sQ, r0, sKs, live);
+      warp_dot<DB, NT, S>(dp, sdO, r0, sV + sub * SUB * S, live);
+      auto grads = [&](auto masked) {  // s becomes dS
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
-          const float pr = (j <= row[r] && j >= lo[r]) ? exp2f(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
-          s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
-        }
-      warp_accumulate<DB, NT, S>(acc, s, sK, live);  // dQ += dS K
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2, j = c0 + nt * 8 + 2 * t + e % 2;
+            const bool vis = !decltype(masked)::value || (j <= row[r] && j >= lo[r]);
+            const float pr = vis ? exp2f(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
+            s[nt][e] = pr * (dp[nt][e] - dl[r]);
+          }
+      };
+      if (all_visible(c0, c0 + SUB - 1, lo, hi)) grads(std::false_type{});
+      else grads(std::true_type{});
+      warp_accumulate<DB, NT, S>(acc, s, sKs, live);  // dQ += dS K
     }
     if constexpr (kAsync) __syncthreads();
   }
@@ -393,16 +409,20 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
       warp_dot<DB, NT, S>(st, sK, r0, sQ, live);
       warp_dot<DB, NT, S>(dpt, sV, r0, sdO, live);
+      auto grads = [&](auto masked) {  // st becomes P^T, dpt dS^T
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c0 + c;
-          const float pr =
-              (i >= row[r] && i <= hi[r]) ? exp2f(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
-          st[nt][e] = pr;
-          dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c0 + c;
+            const bool vis = !decltype(masked)::value || (i >= row[r] && i <= hi[r]);
+            const float pr = vis ? exp2f(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
+            st[nt][e] = pr;
+            dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);
+          }
+      };
+      if (all_visible(i0 + c0, i0 + c0 + SUB - 1, lo, hi)) grads(std::false_type{});
+      else grads(std::true_type{});
       warp_accumulate<DB, NT, S>(dv, st, sdO, live);  // dV += P^T dO
       warp_accumulate<DB, NT, S>(dk, dpt, sQ, live);  // dK += dS^T Q
     }

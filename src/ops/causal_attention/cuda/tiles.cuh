@@ -118,6 +118,12 @@ __device__ __forceinline__ unsigned live_groups(int c0, const int (&a)[2], const
   return __reduce_or_sync(0xffffffffu, bits);
 }
 
+// Whether every row of the warp sees every column of [c0, c1] (so no entry needs masking); same
+// row ranges as live_groups. All 32 lanes must call it.
+__device__ __forceinline__ bool all_visible(int c0, int c1, const int (&a)[2], const int (&b)[2]) {
+  return __all_sync(0xffffffffu, a[0] <= c0 && b[0] >= c1 && a[1] <= c0 && b[1] >= c1);
+}
+
 // dst[r * dst_stride + c] = src[(row0 + r) * src_stride + c] as float for r < nrows, c < ncols,
 // zero where row0 + r >= L or c >= nvalid (so padded rows and columns add nothing).
 template <class T>
