@@ -554,6 +554,10 @@ TEST(SparseAttentionCuda, TilePathMatchesReferenceAndPerQueryKernels) {
       sizes.push_back({1, L, L, 2, D, D, 1, 16, Lists::kSink, true, false, true});
       sizes.push_back({1, L, L + 7, 1, D, D, 1, 12, Lists::kCausal, L < 200, false, true});
     }
+  // The plan stages the lists in shared memory 16 bytes at a time (K % 4 == 0, above), one entry at
+  // a time (K = 13), or not at all (K = 400 > kMaxStagedKeys; a 400-key window's union still fits).
+  sizes.push_back({1, 1025, 1025, 1, 64, 64, 1, 13, Lists::kCausal, true, false, true});
+  sizes.push_back({1, 1025, 1025, 1, 32, 32, 1, 400, Lists::kWindow, false, false, false});
   for (const AttnSize& s : sizes) {
     SCOPED_TRACE(describe(s));
     expect_cuda_bf16_close(attention_case(s), 5e-3);

@@ -3,6 +3,10 @@
 // and one bit per (query, union key) saying whether the query lists that key.
 //
 // One CTA of 8 warps per (b, h, block); warp w takes the block's queries w, w + 8, ...:
+//   0. with at most kMaxStagedKeys keys per list, the block's lists are first copied into shared
+//      memory, 16 bytes per load where K % 4 == 0, all loads of a thread issued together (the
+//      lists are read twice below; read from global memory one warp-wide load at a time, they
+//      made this kernel the slowest of HAX's at 64K);
 //   1. every list entry goes into a shared-memory hash set (open addressing; a plain read first,
 //      atomicCAS only to claim an empty slot) that counts distinct keys; a warp stops inserting
 //      once the count passes kAttentionTileMaxKeys (the block overflows: count -1, and the
@@ -15,6 +19,7 @@
 // The result does not depend on the order of the atomics: the union is sorted and the masks are
 // ORs of fixed bits.
 #include <climits>
+#include <cstdint>
 
 #include "ops/attention/params.h"
 #include "ops/cuda/common.cuh"
@@ -31,21 +36,52 @@ constexpr int kHash = 1024;  // hash slots: a power of two above kU + 32 kWarps
 static_assert(kU == 2 * kThreads, "the bitonic sort gives two keys to each thread");
 static_assert(kHash >= kU + 32 * kWarps, "the hash set must hold every key inserted before a warp sees the overflow");
 
+constexpr int kMaxStagedKeys = 384;  // K up to which the lists are staged (96 KB of shared memory)
+
 // Slot of a key: the top 10 bits of a multiplicative hash.
 __device__ __forceinline__ int hash_slot(int32_t key) { return (int)(((uint32_t)key * 2654435761u) >> 22); }
 
+template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, AttentionTilePlan plan, int64_t nblk) {
   __shared__ int32_t table[kHash];
   __shared__ int32_t keys[kU];
+  __shared__ int64_t qpos[kQ];  // the block's query positions (-1: no list)
   __shared__ int count, filled;
+  extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists
   const int64_t bh = blockIdx.x / nblk, blk = blockIdx.x % nblk, L = p.seqlen, K = p.maxkeys;
   const int64_t r0 = blk * kQ;
   const int nq = (int)(L - r0 < kQ ? L - r0 : kQ), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t* order = p.q_order ? p.q_order + bh * L : nullptr;
   const int32_t* idx = p.idx + bh * L * K;  // one segment: (L, K) per (b, h)
-  auto list_of = [&](int r) -> const int32_t* {  // the list of the block's query r (rank r0 + r in q_order)
+  int32_t* staged = reinterpret_cast<int32_t*>(staged_u4);
+  for (int r = threadIdx.x; r < nq; r += kThreads) {
     const int64_t i = order ? order[r0 + r] : r0 + r;
-    return i >= 0 && i < L ? idx + i * K : nullptr;  // not a permutation entry: no keys
+    qpos[r] = i >= 0 && i < L ? i : -1;  // not a permutation entry: no keys
+  }
+  __syncthreads();
+  if constexpr (kStaged) {
+    const int k = (int)K;
+    if (k % 4 == 0 && reinterpret_cast<uintptr_t>(p.idx) % 16 == 0) {
+      const int per = k / 4;
+#pragma unroll 4
+      for (int x = threadIdx.x; x < nq * per; x += kThreads) {
+        const int r = x / per, c = x - r * per;
+        const int64_t i = qpos[r];
+        staged_u4[x] = i >= 0 ? *reinterpret_cast<const int4*>(idx + i * K + 4 * c) : make_int4(-1, -1, -1, -1);
+      }
+    } else {
+#pragma unroll 4
+      for (int x = threadIdx.x; x < nq * k; x += kThreads) {
+        const int r = x / k;
+        const int64_t i = qpos[r];
+        staged[x] = i >= 0 ? idx[i * K + (x - r * k)] : -1;
+      }
+    }
+  }
+  auto list_of = [&](int r) -> const int32_t* {  // the list of the block's query r (rank r0 + r in q_order)
+    if (kStaged) return staged + (int64_t)r * K;
+    const int64_t i = qpos[r];
+    return i >= 0 ? idx + i * K : nullptr;
   };
   for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1;
   if (threadIdx.x == 0) count = 0, filled = 0;
@@ -134,7 +170,14 @@ void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTi
   const int64_t nblk = attention_tile_blocks(p.seqlen), grid = p.batch * p.nheads * nblk;
   if (grid == 0) return;
   if (p.nseg != 1) throw std::runtime_error("sparse_attention tile plan: needs one segment per query");
-  tile_plan_kernel<<<(unsigned)grid, kThreads, 0, (cudaStream_t)stream>>>(p, plan, nblk);
+  const auto s = (cudaStream_t)stream;
+  if (p.maxkeys <= kMaxStagedKeys) {
+    const size_t smem = sizeof(int32_t) * kQ * (size_t)p.maxkeys;
+    cuda::allow_smem(tile_plan_kernel<true>, smem, "sparse_attention tile plan");
+    tile_plan_kernel<true><<<(unsigned)grid, kThreads, smem, s>>>(p, plan, nblk);
+  } else {
+    tile_plan_kernel<false><<<(unsigned)grid, kThreads, 0, s>>>(p, plan, nblk);
+  }
   cuda::check_launch("sparse_attention tile plan");
 }
 
