@@ -14,7 +14,9 @@
 //      set never holds more than 512 + 8·32 < 1024 keys and every probe sequence ends;
 //   2. the keys are gathered into an array and sorted (bitonic over the next power of two >= 64
 //      of their count, two per thread);
-//   3. each warp finds the slots of its query's keys by binary search and ORs the bits of each
+//   3. each key's hash slot gets its rank in the sorted union; each warp looks up the ranks of its
+//      query's keys in the hash set (a probe or two, where a binary search over the union took 9
+//      dependent steps: the kernel is bound by its instruction count) and ORs the bits of each
 //      64-key tile across the warp (__reduce_or_sync): no atomics, one store per (query, tile).
 // The result does not depend on the order of the atomics: the union is sorted and the masks are
 // ORs of fixed bits.
@@ -45,6 +47,7 @@ template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, AttentionTilePlan plan, int64_t nblk) {
   __shared__ int32_t table[kHash];
   __shared__ int32_t keys[kU];
+  __shared__ int16_t rank[kHash];  // rank[h]: the position of table[h] in the sorted union
   __shared__ int64_t qpos[kQ];  // the block's query positions (-1: no list)
   __shared__ int count, filled;
   extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists
@@ -132,6 +135,14 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       __syncthreads();
     }
 
+  for (int i = threadIdx.x; i < u; i += kThreads) {  // each key's slot gets its rank
+    const int32_t key = keys[i];
+    int h = hash_slot(key);
+    while (table[h] != key) h = (h + 1) & (kHash - 1);
+    rank[h] = (int16_t)i;
+  }
+  __syncthreads();
+
   unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
   const int ntiles = (u + 63) / 64;
   for (int r = warp; r < kQ; r += kWarps) {
@@ -140,12 +151,9 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     for (int64_t t0 = 0; list && t0 < K; t0 += 32) {
       const int32_t key = t0 + lane < K ? list[t0 + lane] : -1;
       if (key < 0 || key >= Lk) continue;
-      int lo = 0, hi = u - 1;  // keys[0..u) ascending and holding key
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (keys[mid] < key) lo = mid + 1;
-        else hi = mid;
-      }
+      int h = hash_slot(key);  // the key is in the set (the block did not overflow)
+      while (table[h] != key) h = (h + 1) & (kHash - 1);
+      const int lo = rank[h];  // its position in the sorted union
       const unsigned long long bit = 1ull << (lo % 64);
 #pragma unroll
       for (int tt = 0; tt < kTiles; ++tt) bits[tt] |= lo / 64 == tt ? bit : 0ull;
