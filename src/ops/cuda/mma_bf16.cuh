@@ -45,6 +45,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
          ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
 }
 
+// 2^x with the MUFU unit alone (ex2.approx.ftz: relative error about 2^-22, results below 2^-126
+// flushed to 0; 2^-inf = 0). exp2f adds a range check and two multiplies around it for denormal
+// results, which cost as many instructions as the rest of a softmax step.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // c += A B for one m16n8k16 tile.
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -167,7 +176,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], const flo
   for (int r = 0; r < 2; ++r) {
     const float m_new = fmaxf(m[r], max4(mx[r]));
     m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet
-    alpha[r] = exp2f(m[r] - m_use[r]);
+    alpha[r] = fast_exp2(m[r] - m_use[r]);
     m[r] = m_new;
     l[r] *= alpha[r];
   }
@@ -175,7 +184,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], const flo
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[nt][e] = exp2f(s[nt][e] - m_use[e / 2]);
+      s[nt][e] = fast_exp2(s[nt][e] - m_use[e / 2]);
       l[e / 2] += s[nt][e];
     }
 #pragma unroll

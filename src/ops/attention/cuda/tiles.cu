@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
-        const float pr = (bits[r] >> c) & 1ull ? exp2f(s[nt][e] * z.scale2 + bias2[c] - lse2[r]) : 0.f;
+        const float pr = (bits[r] >> c) & 1ull ? fast_exp2(s[nt][e] * z.scale2 + bias2[c] - lse2[r]) : 0.f;
         s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
       }
     warp_accumulate<DB, NT, S>(acc, s, ts.K(buf));  // dQ += dS K
@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
         const float pr =
-            (sMask[c] >> kr[r]) & 1ull ? exp2f(st[nt][e] * z.scale2 + bias2[kr[r]] - sLse2[c]) : 0.f;
+            (sMask[c] >> kr[r]) & 1ull ? fast_exp2(st[nt][e] * z.scale2 + bias2[kr[r]] - sLse2[c]) : 0.f;
         st[nt][e] = pr;
         dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
         db[r] += dpt[nt][e];

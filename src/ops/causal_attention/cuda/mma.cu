@@ -84,13 +84,12 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) forward_k
   // Tile kt's keys and values into buffer b (asynchronous path).
   auto issue = [&](int kt, int b) {
     const int j0 = kt * BN;
-    auto pos = [&](int r) { return j0 + r < L ? j0 + r : -1; };
-    cuda::async_rows<S>(sK0 + b * BN * S, k, sqk, pos, BN, dm.D, DB);
-    cuda::async_rows<S>(sV0 + b * BN * S, v, sv, pos, BN, dm.Dv, DB);
+    cuda::async_tile<S, BN, DB, kThreads>(sK0 + b * BN * S, k, sqk, j0, L, dm.D);
+    cuda::async_tile<S, BN, DB, kThreads>(sV0 + b * BN * S, v, sv, j0, L, dm.Dv);
     cuda::cp_async_commit();
   };
   if constexpr (kAsync) {
-    cuda::async_rows<S>(sQ, q, sqk, [&](int r) { return i0 + r < L ? i0 + r : -1; }, kRows, dm.D, DB);
+    cuda::async_tile<S, kRows, DB, kThreads>(sQ, q, sqk, i0, L, dm.D);
     issue(kt_begin, 0);  // one group with sQ
   } else {
     load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
@@ -226,15 +225,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel
   const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
   auto issue = [&](int kt, int b) {
     const int j0 = kt * BN;
-    auto pos = [&](int r) { return j0 + r < L ? j0 + r : -1; };
-    cuda::async_rows<S>(sK0 + b * BN * S, k, sqk, pos, BN, dm.D, DB);
-    cuda::async_rows<S>(sV0 + b * BN * S, v, sv, pos, BN, dm.Dv, DB);
+    cuda::async_tile<S, BN, DB, kThreads>(sK0 + b * BN * S, k, sqk, j0, L, dm.D);
+    cuda::async_tile<S, BN, DB, kThreads>(sV0 + b * BN * S, v, sv, j0, L, dm.Dv);
     cuda::cp_async_commit();
   };
   if constexpr (kAsync) {
-    auto qpos = [&](int r) { return i0 + r < L ? i0 + r : -1; };
-    cuda::async_rows<S>(sQ, q, sqk, qpos, kRows, dm.D, DB);
-    cuda::async_rows<S>(sdO, dout, sv, qpos, kRows, dm.Dv, DB);
+    cuda::async_tile<S, kRows, DB, kThreads>(sQ, q, sqk, i0, L, dm.D);
+    cuda::async_tile<S, kRows, DB, kThreads>(sdO, dout, sv, i0, L, dm.Dv);
     issue(kt_begin, 0);
     cuda::cp_async_wait<0>();  // sdO for Δ (the first key tile comes with it)
   } else {
@@ -292,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2, j = c0 + nt * 8 + 2 * t + e % 2;
             const bool vis = !decltype(masked)::value || (j <= row[r] && j >= lo[r]);
-            const float pr = vis ? exp2f(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
+            const float pr = vis ? fast_exp2(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
             s[nt][e] = pr * (dp[nt][e] - dl[r]);
           }
       };
@@ -351,9 +348,8 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   auto stage = [&](int qt, int b) {
     const int i0 = qt * BN;
     if constexpr (kAsync) {
-      auto pos = [&](int r) { return i0 + r < L ? i0 + r : -1; };
-      cuda::async_rows<S>(sQ0 + b * BN * S, q, sqk, pos, BN, dm.D, DB);
-      cuda::async_rows<S>(sdO0 + b * BN * S, dout, sv, pos, BN, dm.Dv, DB);
+      cuda::async_tile<S, BN, DB, kThreads>(sQ0 + b * BN * S, q, sqk, i0, L, dm.D);
+      cuda::async_tile<S, BN, DB, kThreads>(sdO0 + b * BN * S, dout, sv, i0, L, dm.Dv);
       for (int c = threadIdx.x; c < 2 * BN; c += kThreads) {
         const int i = i0 + c % BN;
         const float* src = c < BN ? lse : delta;
@@ -372,9 +368,8 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
     }
   };
   if constexpr (kAsync) {
-    auto kpos = [&](int r) { return j0 + r < L ? j0 + r : -1; };
-    cuda::async_rows<S>(sK, k, sqk, kpos, kRows, dm.D, DB);
-    cuda::async_rows<S>(sV, v, sv, kpos, kRows, dm.Dv, DB);
+    cuda::async_tile<S, kRows, DB, kThreads>(sK, k, sqk, j0, L, dm.D);
+    cuda::async_tile<S, kRows, DB, kThreads>(sV, v, sv, j0, L, dm.Dv);
     stage(qt_begin, 0);
   } else {
     load_rows_bf16(sK, S, k, sqk, j0, kRows, L, dm.D, DB, vec.qk);
@@ -416,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c0 + c;
             const bool vis = !decltype(masked)::value || (i >= row[r] && i <= hi[r]);
-            const float pr = vis ? exp2f(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
+            const float pr = vis ? fast_exp2(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
             st[nt][e] = pr;
             dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);
           }
