@@ -19,6 +19,11 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid
   const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 4 : 0));
 }
+// The same for 8 bytes.
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 8 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
@@ -40,24 +45,51 @@ __device__ __forceinline__ void async_rows(__nv_bfloat16* dst, const __nv_bfloat
   }
 }
 
-// The same for the consecutive rows row0 .. row0 + NROWS - 1 (zeros from row L on), with the
-// tile's shape known at compile time: each of the THREADS threads copies one fixed 16-byte
-// column chunk of every (THREADS / (NCOLS / 8))-th row, so the addresses are computed once and
-// the copies are issued without a loop (about 5 instructions each, where async_rows spends ~30).
+// A (NROWS, NCOLS) bfloat16 tile copied by THREADS threads with the tile's shape known at compile
+// time: each thread copies one fixed 16-byte column chunk, col(), of the rows row(k), k < kPer, so
+// addresses are computed once and the copies are issued without a loop (about 5 instructions
+// each, where async_rows spends ~30).
+template <int NROWS, int NCOLS, int THREADS>
+struct TileCopy {
+  static constexpr int kChunks = NCOLS / 8, kRowStep = THREADS / kChunks, kPer = NROWS * kChunks / THREADS;
+  static_assert(THREADS % kChunks == 0 && (NROWS * kChunks) % THREADS == 0, "TileCopy: the threads must tile the copy evenly");
+  static __device__ __forceinline__ int row(int k) { return (int)(threadIdx.x / kChunks) + k * kRowStep; }
+  static __device__ __forceinline__ int col() { return (int)(threadIdx.x % kChunks) * 8; }
+
+  // dst (row stride S) rows row(k) = src rows pos[k] (pos < 0: zeros), columns < nvalid.
+  template <int S>
+  static __device__ __forceinline__ void gather(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride,
+                                                const int32_t (&pos)[kPer], int nvalid) {
+    const int c = col();
+    const bool col_ok = c < nvalid;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const bool ok = col_ok && pos[k] >= 0;
+      cp_async16(dst + row(k) * S + c, ok ? src + (int64_t)pos[k] * stride + c : src, ok);
+    }
+  }
+
+  // dst rows r = src rows row0 + r (zeros from row L on), columns < nvalid.
+  template <int S>
+  static __device__ __forceinline__ void rows(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride, int row0,
+                                              int L, int nvalid) {
+    const int c = col(), r = row(0);
+    const bool col_ok = c < nvalid;
+    const __nv_bfloat16* from = src + (int64_t)(row0 + r) * stride + c;
+    __nv_bfloat16* to = dst + r * S + c;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const bool ok = col_ok && row0 + r + k * kRowStep < L;
+      cp_async16(to + k * kRowStep * S, ok ? from + (int64_t)k * kRowStep * stride : src, ok);
+    }
+  }
+};
+
+// TileCopy<NROWS, NCOLS, THREADS>::rows<S>: the consecutive rows row0 .. row0 + NROWS - 1.
 template <int S, int NROWS, int NCOLS, int THREADS>
 __device__ __forceinline__ void async_tile(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride, int row0,
                                            int L, int nvalid) {
-  constexpr int kChunks = NCOLS / 8, kRowStep = THREADS / kChunks, kPer = NROWS * kChunks / THREADS;
-  static_assert(THREADS % kChunks == 0 && (NROWS * kChunks) % THREADS == 0, "async_tile: the threads must tile the copy evenly");
-  const int c = (int)(threadIdx.x % kChunks) * 8, r = (int)(threadIdx.x / kChunks);
-  const bool col_ok = c < nvalid;
-  const __nv_bfloat16* from = src + (int64_t)(row0 + r) * stride + c;
-  __nv_bfloat16* to = dst + r * S + c;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const bool ok = col_ok && row0 + r + k * kRowStep < L;
-    cp_async16(to + k * kRowStep * S, ok ? from + (int64_t)k * kRowStep * stride : src, ok);
-  }
+  TileCopy<NROWS, NCOLS, THREADS>::template rows<S>(dst, src, stride, row0, L, nvalid);
 }
 
 }  // namespace hax::ops::cuda

@@ -156,22 +156,40 @@ struct TileStream {
   __device__ bf16* K(int b) const { return sK + b * kTK * S; }
   __device__ bf16* V(int b) const { return sV + b * kTK * S; }
 
-  // Tile tt's keys, biases and mask words into buffer b (plain stores), and its rows (copies
-  // issued and committed when kAsync).
+  // kAsync: the positions of this thread's rows of the next tile to stage, loaded one stage ahead
+  // (a tile's copies need them in registers; loaded when staging, their latency held up every tile).
+  using Copy = cuda::TileCopy<kTK, S - 8, kThreads>;
+  int32_t next_pos[Copy::kPer] = {};
+
+  // Tile tt's keys, biases and mask words into buffer b, and its rows. kAsync: keys, mask words
+  // and rows are copied asynchronously (issued and committed here); biases (if any) are plain loads.
   __device__ void stage(int tt, int b) {
-    for (int c = threadIdx.x; c < kTK; c += kThreads) {
-      const int32_t j = keys[tt * kTK + c];
-      bs.keys[b][c] = j;
-      bs.bias2[b][c] = bias && j >= 0 ? to_f32(bias[j]) * kLog2e : 0.f;
-    }
-    if (with_mask)
-      for (int c = threadIdx.x; c < kQ; c += kThreads) bs.mask[b][c] = mask[tt * kQ + c];
     if constexpr (kAsync) {
       const int32_t* kt = keys + tt * kTK;
-      auto pos = [&](int r) { return kt[r]; };
-      cuda::async_rows<S>(K(b), k, sqk, pos, kTK, D, DB);
-      cuda::async_rows<S>(V(b), v, sv, pos, kTK, Dv, DB);
+      int32_t pos[Copy::kPer];
+#pragma unroll
+      for (int e = 0; e < Copy::kPer; ++e) pos[e] = tt == 0 ? kt[Copy::row(e)] : next_pos[e];
+      if (tt + 1 < ntiles)
+#pragma unroll
+        for (int e = 0; e < Copy::kPer; ++e) next_pos[e] = kt[kTK + Copy::row(e)];
+      for (int c = threadIdx.x; c < kTK; c += kThreads) cuda::cp_async4(&bs.keys[b][c], kt + c, true);
+      if (with_mask)
+        for (int c = threadIdx.x; c < kQ; c += kThreads) cuda::cp_async8(&bs.mask[b][c], mask + tt * kQ + c, true);
+      Copy::template gather<S>(K(b), k, sqk, pos, D);
+      Copy::template gather<S>(V(b), v, sv, pos, Dv);
+      for (int c = threadIdx.x; c < kTK; c += kThreads) {
+        const int32_t j = bias ? kt[c] : -1;
+        bs.bias2[b][c] = j >= 0 ? to_f32(bias[j]) * kLog2e : 0.f;
+      }
       cuda::cp_async_commit();
+    } else {
+      for (int c = threadIdx.x; c < kTK; c += kThreads) {
+        const int32_t j = keys[tt * kTK + c];
+        bs.keys[b][c] = j;
+        bs.bias2[b][c] = bias && j >= 0 ? to_f32(bias[j]) * kLog2e : 0.f;
+      }
+      if (with_mask)
+        for (int c = threadIdx.x; c < kQ; c += kThreads) bs.mask[b][c] = mask[tt * kQ + c];
     }
   }
   __device__ void start() {
@@ -327,7 +345,7 @@ struct GradBlock {
 
 // dq of the block's queries: S = Q K^T, dP = dO V^T, dS = P (dP - Δ), dQ += dS K over the tiles.
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
     tile_dq_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
   using C = Cfg<DB, kAsync>;
   constexpr int S = C::S, DT = C::DT;
