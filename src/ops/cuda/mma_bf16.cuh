@@ -54,9 +54,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// c += A B for one m16n8k16 tile.
+// c += A B for one m16n8k16 tile. Not volatile: a pure function of its registers, so the compiler
+// may move it among the fragment loads (which stay volatile: they read shared memory).
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

@@ -37,7 +37,10 @@ constexpr int kRows = 64;      // rows per block, 16 per warp
 // at head dims up to 64; 2 at 128 (the accumulators alone need more, and shared memory allows
 // no more). Blocks of 8 warps and 128 rows measured slower for sliding windows on the H100
 // (fewer blocks overlap their loads).
-constexpr int kMinBlocks = 4;
+#ifndef HAX_CAUSAL_MIN_BLOCKS
+#define HAX_CAUSAL_MIN_BLOCKS 4  // (a macro, so that a timing build can try others)
+#endif
+constexpr int kMinBlocks = HAX_CAUSAL_MIN_BLOCKS;
 
 // Whether tiles can be copied 16 bytes at a time (head dim a multiple of 8, base 16-byte aligned).
 struct VecLoads {
