@@ -537,6 +537,22 @@ TEST(SparseAttentionCuda, LongSequenceMatchesCpu) {
   }
 }
 
+// The same bf16 inputs through both CUDA paths (the tile path where it applies, then the per-query
+// kernels alone): outputs and gradients agree to bf16 rounding.
+namespace {
+void expect_tile_path_matches_per_query(const AttnSize& s) {
+  const OpCase c = attention_case(s);
+  Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
+  Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  auto [o_t, g_t] = run_on_device(c.op, in, w);
+  PathGuard per_query(AttentionPath::kPerQuery);
+  auto [o_q, g_q] = run_on_device(c.op, in, w);
+  for (size_t k = 0; k < o_t.size(); ++k) EXPECT_LE(scaled_err(o_t[k], o_q[k]), 1e-2) << "output " << k;
+  for (size_t i = 0; i < g_t.size(); ++i)
+    if (g_t[i].defined()) EXPECT_LE(scaled_err(g_t[i], g_q[i]), 1e-2) << "gradient " << i;
+}
+}  // namespace
+
 // The bf16 tile path (one segment): query blocks whose key union fits in kAttentionTileMaxKeys run on
 // tensor cores, the others on the per-query kernels, in one call. Sliding windows of 64 and 128
 // keys (unions of 127 and 191), sinks (popular keys), random causal keys of K = 12 (at L = 1025
@@ -561,16 +577,19 @@ TEST(SparseAttentionCuda, TilePathMatchesReferenceAndPerQueryKernels) {
   for (const AttnSize& s : sizes) {
     SCOPED_TRACE(describe(s));
     expect_cuda_bf16_close(attention_case(s), 5e-3);
-    // The same bf16 inputs through both CUDA paths: outputs and gradients agree to bf16 rounding.
-    const OpCase c = attention_case(s);
-    Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
-    Tensors w = random_cotangents(c.op(clone_leaves(in)));
-    auto [o_t, g_t] = run_on_device(c.op, in, w);
-    PathGuard per_query(AttentionPath::kPerQuery);
-    auto [o_q, g_q] = run_on_device(c.op, in, w);
-    for (size_t k = 0; k < o_t.size(); ++k) EXPECT_LE(scaled_err(o_t[k], o_q[k]), 1e-2) << "output " << k;
-    for (size_t i = 0; i < g_t.size(); ++i)
-      if (g_t[i].defined()) EXPECT_LE(scaled_err(g_t[i], g_q[i]), 1e-2) << "gradient " << i;
+    expect_tile_path_matches_per_query(s);
+  }
+}
+
+// The tile path at the length the issue asks of every GPU op (16K query blocks of sliding windows
+// and of random causal keys), against the per-query kernels on the same bf16 inputs.
+TEST(SparseAttentionCuda, TilePathAt65537) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(39);
+  for (const AttnSize& s : {AttnSize{1, 65537, 65537, 2, 64, 64, 1, 64, Lists::kWindow, true, false, false},
+                            AttnSize{1, 65537, 65537, 1, 32, 32, 1, 12, Lists::kCausal, false, false, true}}) {
+    SCOPED_TRACE(describe(s));
+    expect_tile_path_matches_per_query(s);
   }
 }
 
