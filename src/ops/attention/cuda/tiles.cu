@@ -157,7 +157,8 @@ struct TileStream {
   __device__ bf16* V(int b) const { return sV + b * kTK * S; }
 
   // kAsync: the positions of this thread's rows of the next tile to stage, loaded one stage ahead
-  // (a tile's copies need them in registers; loaded when staging, their latency held up every tile).
+  // (a tile's copies need them in registers; loaded one stage ahead, their latency is spent while
+  // the current tile is computed on).
   using Copy = cuda::TileCopy<kTK, S - 8, kThreads>;
   int32_t next_pos[Copy::kPer] = {};
 

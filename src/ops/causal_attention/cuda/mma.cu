@@ -13,7 +13,8 @@
 // forward: S = Q K^T, online softmax (per-thread partial row sums, reduced over the row's 4 lanes
 //   at the end), O += P V.
 // dQ: Δ = dO·O - dlse of the block's rows first (written to gp.workspace for the dK/dV kernel,
-//   launched after it), then S = Q K^T, dP = dO V^T, dS = P ∘ (dP - Δ), dQ += dS K.
+//   launched after it), then S = Q K^T, dP = dO V^T, dS = P ∘ (dP - Δ), dQ += dS K, over key
+//   sub-tiles of 32.
 // dK, dV: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, over query sub-tiles of 32
 //   (the two float32 accumulators of 16 x DB leave room for little more in registers).
 // No atomics: each gradient entry is accumulated by one thread in a fixed order.
