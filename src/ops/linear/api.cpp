@@ -21,16 +21,23 @@ LinearParams make_params(const at::Tensor& x2, const at::Tensor& w, const at::Te
 
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   // b arrives as an empty tensor when absent (LibTorch 1.13's apply cannot take undefined ones).
-  // CPU: hax's kernels. CUDA: the products through cuBLAS (at::addmm / at::mm), in one autograd
-  // node instead of LibTorch's linear, matmul, view and transpose nodes; dx is skipped there when
-  // x needs no gradient (the scorer's detached inputs).
+  // CPU: hax's kernels. CUDA: the products through cuBLAS (at::addmm / at::mm, and
+  // at::_addmm_activation for bias + ReLU), in one autograd node instead of LibTorch's linear,
+  // matmul, view and transpose nodes; dx is skipped there when x needs no gradient (the scorer's
+  // detached inputs).
   static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, at::Tensor b, bool relu) {
     const int64_t in = w.size(1), out = w.size(0);
     const bool cuda = x.is_cuda();
     at::Tensor x2 = x.reshape({-1, in}), y;
     if (cuda) {
-      y = b.numel() ? at::addmm(b, x2, w.t()) : at::mm(x2, w.t());
-      if (relu) y.relu_();
+      if (relu && b.numel()) {
+        // Bias and ReLU in the product's epilogue (cuBLASLt where LibTorch's conditions allow,
+        // else addmm then relu): no separate pass over y.
+        y = at::_addmm_activation(b, x2, w.t(), 1, 1, /*use_gelu=*/false);
+      } else {
+        y = b.numel() ? at::addmm(b, x2, w.t()) : at::mm(x2, w.t());
+        if (relu) y.relu_();
+      }
     } else {
       x2 = x2.contiguous(), w = w.contiguous(), b = b.contiguous();
       y = at::empty({x2.size(0), out}, x.options());
