@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the GPU tests, as recorded in BENCHMARKS.md (sixth pass). Needs a CUDA
+# build (cmake -S . -B build-d -G Ninja -DCMAKE_BUILD_TYPE=Release -DHAX_CUDA=ON) and a GPU.
+#   memcheck:  every GPU test except the long ones (L = 65537 and *Long*), in two runs:
+#              the op tests (about 1.5 min on an H100) and the model and training tests (about 3 min)
+#   racecheck: 21 small tests that together launch every kernel file using shared memory
+#              (about 1.5 min). racecheck runs about 100 times slower than a plain run, so the
+#              larger tests do not fit.
+# Usage: scripts/gpu_sanitize.sh [BUILD_DIR]   (default build-d). Exits non-zero on any error,
+# hazard or failing test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T="${1:-build-d}/tests/hax_tests"
+[ -x "$T" ] || { echo "gpu_sanitize.sh: $T not found; build with -DHAX_CUDA=ON first" >&2; exit 2; }
+CS="compute-sanitizer --error-exitcode 1"
+OPS='*Cuda*:*CUDA*:-*65537*:*Long*:CudaModels.*:CudaTrain.*'
+MODELS='CudaModels.*:CudaTrain.*'
+SMALL='SparseAttentionCuda.AnyHeadDimUpTo128:SparseAttentionCuda.LongListsUseTheWorkspace'
+SMALL+=':SparseAttentionCuda.TilePathSmallInstance:CausalAttentionCuda.WithoutLseCotangent'
+SMALL+=':CausalAttentionCuda.GradientsAreBitIdenticalAcrossRuns:Conv1dCuda.OtherWidthsAndShortRows'
+SMALL+=':Conv1dCuda.EmptyRowKeepsTheState:RankingLossCuda.Bfloat16CloseToFloat64:RankingLossCuda.Deterministic'
+SMALL+=':RmsNormCuda.MatchesCpuFloat32AndBf16:SelectiveScanCuda.GradientsAreBitIdenticalAcrossRuns'
+SMALL+=':SelectiveScanCuda.CheckpointsAreTheCpuCheckpoints:SsdCuda.EmptySequenceAndOddSizes'
+SMALL+=':SsdCuda.FinalStateContinuesTheScan:SsdCuda.BackwardIsDeterministic:PatternCuda.LshBucketsEqualCpu'
+SMALL+=':PatternCuda.MergeAndKeyCountsEqualCpu:PrefixDirectionCuda.StridedQAndOddSizes'
+SMALL+=':PrefixDirectionCuda.ZeroSumGivesZero:PatternCuda.TopKPrefixEqualCpu'
+SMALL+=':SsmStepCuda.Conv1dStepMatchesCpuFloat32AndBf16'
+$CS --tool memcheck --leak-check no "$T" --gtest_filter="$OPS"
+$CS --tool memcheck --leak-check no "$T" --gtest_filter="$MODELS"
+$CS --tool racecheck "$T" --gtest_filter="$SMALL"
+echo "gpu_sanitize.sh: memcheck and racecheck clean"
