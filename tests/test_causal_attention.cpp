@@ -1,8 +1,6 @@
 // Causal (sliding-window, packed) attention: the blocked online-softmax kernels against the dense
 // masked-softmax reference, gradients, long sequences, errors.
-#include <chrono>
 #include <cmath>
-#include <cstdio>
 
 #include "cuda_harness.h"
 #include "ops/attention/attention.h"
@@ -161,37 +159,6 @@ TEST(CausalAttention, BadInputsNameTheTensor) {
   expect_usage_error([&] { causal_attention(q, k, v, {}, -1, 0.5); }, "window -1 must be >= 0");
   expect_usage_error([&] { causal_attention(q, k, v, {}, 0, 0.0); }, "scale 0 must be positive");
   expect_usage_error([&] { causal_attention(q, k, at::Tensor(), {}, 0, 0.5); }, "v is missing");
-}
-
-// Timings for the report (float32, 2 threads, B = 1, H = 1, D = Dv = 64, window 0). Run with
-// --gtest_also_run_disabled_tests --gtest_filter='*Timing*'.
-TEST(CausalAttention, DISABLED_Timing) {
-  at::set_num_threads(2);
-  auto o = at::TensorOptions().dtype(at::kFloat);
-  for (int64_t L : {4096, 16384}) {
-    at::Tensor q = at::randn({1, L, 1, 64}, o).requires_grad_(), k = at::randn({1, L, 1, 64}, o).requires_grad_();
-    at::Tensor v = at::randn({1, L, 1, 64}, o).requires_grad_(), g = at::randn({1, L, 1, 64}, o);
-    auto best = [](auto&& fn) {
-      double b = 1e30;
-      for (int r = 0; r < 3; ++r) {
-        auto t0 = std::chrono::steady_clock::now();
-        fn();
-        b = std::min(b, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      }
-      return b;
-    };
-    double fwd = best([&] {
-      torch::NoGradGuard ng;
-      causal_attention(q, k, v, {}, 0, 0.125);
-    });
-    double fb = best([&] {
-      auto [out, lse] = causal_attention(q, k, v, {}, 0, 0.125);
-      (out * g).sum().backward();
-    });
-    const double flop = 2.0 * L * (L + 1) / 2 * (64 + 64);  // QK^T and PV over the causal half
-    std::printf("causal_attention L=%lld: forward %.1f ms (%.0f GFLOP/s), forward+backward %.1f ms\n", (long long)L,
-                fwd, flop / fwd / 1e6, fb);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------

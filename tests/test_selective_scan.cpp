@@ -1,8 +1,6 @@
 // Selective scan (S6): kernel vs. the naive float64 recurrence, gradients, checkpointed backward,
 // states, packing, errors.
-#include <chrono>
 
-#include "core/threads.h"
 #include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/selective_scan/selective_scan.h"
@@ -180,34 +178,6 @@ TEST(SelectiveScan, BadInputsNameTheTensor) {
   at::Tensor bad_seq = at::tensor({0, 1, 0, 1, 1}, at::kInt).view({1, 5});
   expect_usage_error([&] { selective_scan(x, dl, A, Bm, Cm, {}, bad_seq); }, "non-decreasing");
   expect_usage_error([&] { selective_scan(x, dl, A, Bm, Cm, {}, {}, 0); }, "checkpoint interval 0");
-}
-
-// Timing at Mamba-like sizes; prints, asserts nothing. Run with --gtest_also_run_disabled_tests.
-TEST(SelectiveScan, DISABLED_TimingB64L1024D128N16) {
-  hax::set_threads(0);
-  torch::manual_seed(8);
-  const int64_t B = 64, L = 1024, D = 128, N = 16;
-  auto o = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor x = at::randn({B, L, D}, o).requires_grad_();
-  at::Tensor dl = at::softplus(at::randn({B, L, D}, o) - 1).detach().requires_grad_();
-  at::Tensor A = (-at::exp(at::randn({D, N}, o))).detach().requires_grad_();
-  at::Tensor Bm = at::randn({B, L, 1, N}, o).requires_grad_(), Cm = at::randn({B, L, 1, N}, o).requires_grad_();
-  using clock = std::chrono::steady_clock;
-  auto ms = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
-  for (int rep = 0; rep < 3; ++rep) {
-    auto t0 = clock::now();
-    {
-      torch::NoGradGuard ng;
-      selective_scan_forward(x, dl, A, Bm, Cm, {}, {}, 64, false);
-    }
-    auto t1 = clock::now();
-    auto [y, f] = selective_scan(x, dl, A, Bm, Cm, {}, {});
-    auto t2 = clock::now();
-    (y.sum() + f.sum()).backward();
-    auto t3 = clock::now();
-    std::printf("threads %d: forward (no grad) %.1f ms, forward (saving checkpoints) %.1f ms, backward %.1f ms\n",
-                at::get_num_threads(), ms(t0, t1), ms(t1, t2), ms(t2, t3));
-  }
 }
 
 // ---- CUDA (skipped without a GPU) ----
