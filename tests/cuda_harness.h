@@ -87,6 +87,20 @@ inline double scaled_err(const at::Tensor& a, const at::Tensor& ref) {
   return (a - ref).abs().max().item<double>() / scale;
 }
 
+// Two runs (run_on_device's outputs and input gradients) agree: every output, and the gradient of
+// every input the reference run has one for, within `tol` of the reference's largest entry.
+inline void expect_runs_close(const std::pair<Tensors, Tensors>& run, const std::pair<Tensors, Tensors>& ref,
+                              double tol) {
+  ASSERT_EQ(run.first.size(), ref.first.size());
+  for (size_t k = 0; k < run.first.size(); ++k)
+    EXPECT_LE(scaled_err(run.first[k], ref.first[k]), tol) << "output " << k;
+  for (size_t i = 0; i < ref.second.size(); ++i) {
+    if (!ref.second[i].defined()) continue;
+    ASSERT_TRUE(run.second[i].defined()) << "no gradient for input " << i;
+    EXPECT_LE(scaled_err(run.second[i], ref.second[i]), tol) << "gradient " << i;
+  }
+}
+
 // The CUDA op in bfloat16 against the float64 definition on the same (bfloat16-rounded) inputs: each
 // output's and gradient's error is at most 2x that of a naive bfloat16 computation (the float64
 // definition's result rounded to bfloat16 after every input was), plus `floor` (relative to the
