@@ -10,6 +10,7 @@
 
 #include "core/cuda_util.h"
 #include "core/device.h"
+#include "core/error.h"
 #include "eval/table1.h"
 #include "models/lm.h"
 #include "ops/check.h"
@@ -19,6 +20,8 @@
 #include "train/adamw.h"
 #include "train/loss.h"
 #include "train/precision.h"
+#include "train/step_graph.h"
+#include "train/train_step.h"
 
 namespace hax::bench {
 
@@ -34,7 +37,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
   report["threads"] = at::get_num_threads();
   report["config"] = {{"batch", cfg.batch}, {"length", len}, {"steps", cfg.steps}, {"warmup", cfg.warmup},
                       {"sparse_keys", cfg.sparse_keys}, {"chunk_size", cfg.chunk_size}, {"precision", cfg.precision},
-                      {"host_sync", cfg.host_sync}, {"fused_optimizer", gpu && !cfg.host_sync && fused_optimizer_built()}};
+                      {"host_sync", cfg.host_sync}, {"graphs", cfg.graphs}, {"fused_optimizer", gpu && !cfg.host_sync && fused_optimizer_built()}};
   fmt::print("hax bench train: {}, joint recall, batch {} x {} tokens (packed rows), {}; {} timed steps after {} "
              "warm-up steps (data prepared beforehand); {}\n",
              gpu ? cuda_device_name() : fmt::format("CPU, {} threads", at::get_num_threads()), cfg.batch, len,
@@ -43,17 +46,26 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
                            : "metrics read at the end, fused optimizer on CUDA");
   const bool checks_were = ops::check_device_values();
   ops::set_check_device_values(cfg.host_sync || checks_were);
-  fmt::print("{:<14} {:>10} {:>10} {:>12} {:>10}\n", "variant", "params", "ms/step", "steps/s", "peak MB");
+  // The step kinds timed: eager, and (CUDA, fused optimizer) replayed from CUDA graphs.
+  std::vector<bool> graph_modes;
+  if (cfg.graphs != "on") graph_modes.push_back(false);
+  if (cfg.graphs != "off" && gpu && !cfg.host_sync && fused_optimizer_built()) graph_modes.push_back(true);
+  HAX_CHECK(!graph_modes.empty(), "--graphs on: CUDA graphs need --device cuda, the fused optimizer (LibTorch >= 2.4) "
+            "and no --host-sync");
+  fmt::print("{:<14} {:<7} {:>10} {:>10} {:>12} {:>10} {:>9}\n", "variant", "step", "params", "ms/step", "steps/s",
+             "peak MB", "captures");
   // Batches are prepared once (the trainer builds them on the CPU, overlapping nothing).
   const EvalFingerprints none = eval_fingerprints(*task, 1, 0, 0, 0, 0);
   TrainStream stream(*task, 1, none);
-  std::vector<Batch> batches;
+  std::vector<Batch> batches, host_batches;  // on the device; on the host (for the graphed steps)
   for (int64_t s = 0; s < cfg.warmup + cfg.steps; ++s) {
     std::vector<Sample> samples;
     for (int64_t i = 0; i < cfg.batch; ++i) samples.push_back(stream.at(s * cfg.batch + i));
-    batches.push_back(make_batch(samples, true, len).to(dev));
+    host_batches.push_back(make_batch(samples, true, len));
+    batches.push_back(host_batches.back().to(dev));
   }
-  for (const auto& variant : cfg.variants) {
+  for (const auto& variant : cfg.variants)
+  for (const bool graphed : graph_modes) {
     torch::manual_seed(1);
     LanguageModel model(table1_model(variant, t1));
     model.to(dev);
@@ -65,40 +77,43 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
     ao.fused = !cfg.host_sync;
     AdamW opt(params, ao);
     std::vector<at::Tensor> metrics;  // per step (4) float64 on the device, read after the timing
+    const StepSettings settings{cfg.precision, 0.1, 1.0};
+    std::unique_ptr<StepGraph> graph;
+    if (graphed) graph = std::make_unique<StepGraph>(model, opt, params, settings);
     auto step = [&](int64_t s) {
+      if (graph) {  // the trainer's graphed step (host batches, padded)
+        at::Tensor m = graph->run(host_batches[s], (uint64_t)s, 1e-3, 0);
+        if (m.defined()) {
+          metrics.push_back(m);
+          return;
+        }
+      }
       ForwardContext ctx;
       ctx.training = true;
       ctx.seed = (uint64_t)s;
+      if (!cfg.host_sync) {
+        // The trainer's eager step: the metrics stay on the device, a non-finite step is skipped there.
+        opt.zero_grad();
+        metrics.push_back(device_train_step(model, params, batches[s], ctx, settings,
+                                            [&](const at::Tensor& skip) { opt.step(1e-3, skip); }));
+        return;
+      }
       LossResult r;
       {
         RECORD_USER_SCOPE("hax::forward_and_loss");
         AutocastScope ac(cfg.precision, dev);
-        if (cfg.host_sync) {  // as before: supervised positions found on the device
-          Batch b = batches[s];
-          b.supervised = at::Tensor(), b.supervised_samples = -1;
-          r = masked_lm_loss(model, b, ctx);
-        } else {
-          r = masked_lm_loss(model, batches[s], ctx, /*read_accuracy=*/false);
-        }
+        Batch b = batches[s];  // as before: supervised positions found on the device
+        b.supervised = at::Tensor(), b.supervised_samples = -1;
+        r = masked_lm_loss(model, b, ctx);
       }
       opt.zero_grad();
       {
         RECORD_USER_SCOPE("hax::backward");
         (r.ranking.defined() ? r.loss + 0.1 * r.ranking : r.loss).backward();
       }
-      if (cfg.host_sync) {
-        clip_grad_norm(params, 1.0);
-        opt.step(1e-3);
-        (void)r.loss.item<double>();  // as the trainer did: the loss read every step
-        return;
-      }
-      // The trainer's step: the metrics stay on the device, a non-finite step is skipped there.
-      RECORD_USER_SCOPE("hax::clip_metrics_optimizer");
-      const at::Tensor gnorm = clip_grad_norm_async(params, 1.0);
-      const at::Tensor loss = r.loss.detach().to(at::kDouble);
-      const at::Tensor ranking = r.ranking.defined() ? r.ranking.detach().to(at::kDouble) : at::zeros_like(loss);
-      metrics.push_back(at::stack({loss, ranking, gnorm, r.correct}));
-      opt.step(1e-3, at::isfinite(loss + gnorm).logical_not());
+      clip_grad_norm(params, 1.0);
+      opt.step(1e-3);
+      (void)r.loss.item<double>();  // as the trainer did: the loss read every step
     };
     for (int64_t s = 0; s < cfg.warmup; ++s) step(s);
     if (gpu) {
@@ -113,7 +128,12 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
     const double ms = 1e3 * sec / cfg.steps;
     const int64_t peak = gpu ? cuda_peak_memory_bytes() : -1;
     nlohmann::json row = {{"variant", variant}, {"params", nparams}, {"ms_per_step", ms},
-                          {"steps_per_s", 1e3 / ms}, {"peak_bytes", peak}};
+                          {"steps_per_s", 1e3 / ms}, {"peak_bytes", peak}, {"cuda_graphs", graphed}};
+    if (graph) {
+      row["graph_captures"] = graph->captures(), row["graph_replays"] = graph->replays();
+      row["eager_steps"] = cfg.warmup + cfg.steps - graph->replays();  // warm-up, fallbacks
+      if (graph->disabled()) row["graphs_off"] = graph->disabled_reason();
+    }
     std::string op_table;
     if (cfg.op_counts > 0) {
       OpCounter counter;
@@ -125,8 +145,10 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
       for (auto& [k, n] : counter.leaves()) leaves += n;
       row["operator_leaves_per_step"] = leaves / 2;
     }
-    fmt::print("{:<14} {:>10} {:>10.2f} {:>12.1f} {:>10}\n", variant, nparams, ms, 1e3 / ms,
-               peak >= 0 ? fmt::format("{:.1f}", peak / 1e6) : std::string("-"));
+    fmt::print("{:<14} {:<7} {:>10} {:>10.2f} {:>12.1f} {:>10} {:>9}\n", variant, graphed ? "graph" : "eager", nparams,
+               ms, 1e3 / ms, peak >= 0 ? fmt::format("{:.1f}", peak / 1e6) : std::string("-"),
+               graph ? std::to_string(graph->captures()) : std::string("-"));
+    if (graph && graph->disabled()) fmt::print("  CUDA graphs off: {}\n", graph->disabled_reason());
     if (!op_table.empty()) fmt::print("{}", op_table);
     std::fflush(stdout);
     report["results"].push_back(row);

@@ -22,6 +22,9 @@ struct TrainBenchConfig {
   // gradient norm read back every step, per-tensor AdamW and clipping, device-value argument
   // checks on. Off: the trainer's step (metrics stay on the device, fused optimizer on CUDA).
   bool host_sync = false;
+  // Which steps to time: "both" (eager, then replayed from CUDA graphs where they can run),
+  // "off" (eager only) or "on" (graphs only).
+  std::string graphs = "both";
   // After timing, count the LibTorch operator calls of two more steps and print the `op_counts`
   // most frequent (0: don't count). The counting slows those steps; they are not timed.
   int op_counts = 0;

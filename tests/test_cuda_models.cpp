@@ -133,10 +133,17 @@ TEST(CudaTrain, GpuCheckpointEvaluatesTheSameOnCpuAndBf16Learns) {
   run.train.steps = 60, run.train.batch_size = 16, run.train.lr = 3e-3, run.train.warmup_steps = 10;
   run.train.eval_every = 30, run.train.save_every = 30, run.train.n_valid = 64, run.train.n_test = 64;
   run.train.progress = false, run.train.log_every = 10;
+  if (fused_optimizer_built()) run.train.cuda_graphs = "on";  // the steps replay from CUDA graphs
   run.config_text = "# test\n";
   TrainSummary s = train(run);
   ASSERT_EQ(s.steps_done, 60);
   EXPECT_TRUE(std::isfinite(s.test_loss));
+  // --cuda-graphs on: after two eager steps, the steps replay from CUDA graphs.
+  if (fused_optimizer_built()) {
+    EXPECT_EQ(s.graphs_off, "");
+    EXPECT_GE(s.graph_captures, 1);
+    EXPECT_GE(s.graph_replays, 50);
+  }
   // The best checkpoint, loaded on the CPU, scores the run's test set as the GPU did (float32 eval).
   Checkpoint ck = read_checkpoint(best_checkpoint_path(dir));
   LanguageModel cpu_model(ck.meta.model);

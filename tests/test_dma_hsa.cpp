@@ -12,6 +12,7 @@
 #include "layers/dma.h"
 #include "layers/hsa.h"
 #include "op_harness.h"
+#include "ops/check.h"
 #include "patterns/pattern.h"
 
 using hax::testing::rel_err;
@@ -315,13 +316,17 @@ TEST(Hsa, CudaChunkLayoutTopKChunksAndListsEqualCpu) {
                             hax::patterns::chunk_lists(chunks, lay.start, C, H), "chunk_lists " + at_);
         }
       }
-  // A range outside [0, NC] names the query, as on the CPU.
+  // A range outside [0, NC] names the query, as on the CPU (device values are checked on request:
+  // the check reads back from the device).
   const auto lay = hax::patterns::chunk_layout(1, 10, 4, {}, gpu);
+  const bool checks = hax::ops::check_device_values();
+  hax::ops::set_check_device_values(true);
   hax::testing::expect_usage_error(
       [&] {
         hax::patterns::top_k_chunks(at::randn({1, 10, 3}, gpu), at::randn({1, 2, 3}, gpu), lay.hi, lay.lo, 2);
       },
       "chunk range");
+  hax::ops::set_check_device_values(checks);
   hax::ops::set_poison_outputs(false);
 }
 

@@ -89,6 +89,9 @@ Command add_bench_command(CLI::App& app) {
   tr->add_flag("--host-sync", tr_st->cfg.host_sync,
                "time the step as before: metrics read back every step, per-tensor AdamW and clipping, "
                "device-value argument checks (for comparison)");
+  tr->add_option("--graphs", tr_st->cfg.graphs,
+                 "both, on or off: time the steps eagerly and/or replayed from CUDA graphs (train/step_graph.h; "
+                 "CUDA with the fused optimizer)");
   tr->add_option("--op-counts", tr_st->cfg.op_counts,
                  "after timing, count the LibTorch operator calls of two more steps and list the N most frequent "
                  "(where a GPU step's launches go)");
@@ -103,6 +106,8 @@ Command add_bench_command(CLI::App& app) {
       HAX_CHECK(cfg.steps > 0, "--steps {} must be positive", cfg.steps);
       HAX_CHECK(cfg.warmup >= 0, "--warmup {} must be non-negative", cfg.warmup);
       HAX_CHECK(cfg.op_counts >= 0, "--op-counts {} must be non-negative", cfg.op_counts);
+      HAX_CHECK(cfg.graphs == "both" || cfg.graphs == "on" || cfg.graphs == "off",
+                "--graphs {} is unknown; choose both, on or off", cfg.graphs);
       set_threads(tr_st->threads);
       nlohmann::json report = bench::run_train_bench(cfg);
       write_file_atomic(tr_st->json, report.dump(2) + "\n");

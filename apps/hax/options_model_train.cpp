@@ -65,6 +65,9 @@ void add_train_options(CLI::App* app, TrainConfig* t) {
   app->add_option("--precision", t->precision, "fp32, or bf16 (autocast on CUDA; float32 weights)")->group(g);
   app->add_flag("--deterministic,!--no-deterministic", t->deterministic,
                 "CUDA: fixed-order backward reductions (bit-identical reruns)")->group(g);
+  app->add_option("--cuda-graphs", t->cuda_graphs,
+                  "CUDA: auto, on or off: replay each step from a captured CUDA graph (batches padded to a fixed "
+                  "shape); auto times eager steps against replays and keeps the faster")->group(g);
   app->add_option("--steps", t->steps, "optimizer steps")->group(g);
   app->add_option("--batch-size", t->batch_size, "samples per step")->group(g);
   app->add_option("--lr", t->lr, "peak learning rate")->group(g);

@@ -18,6 +18,8 @@ struct PatternRecord {
   at::Tensor scores;              // (B, L, H) Key Selection scores, when the pattern selects
 };
 
+struct HostInputs;  // layers/host_inputs.h
+
 struct ForwardContext {
   bool training = false;   // compute Key Selection ranking losses
   uint64_t seed = 0;       // per training step (LSH hash resampled every step), fixed for evaluation
@@ -26,6 +28,7 @@ struct ForwardContext {
                            // candidates on the host: reading valid back would stall the step), or undefined
   std::vector<at::Tensor> ranking_losses;              // one scalar per layer with Key Selection (training)
   std::vector<PatternRecord>* record = nullptr;   // if set, each sparse layer appends what it used
+  HostInputs* host_inputs = nullptr;  // set while a CUDA graph of the step is captured (host_inputs.h)
 };
 
 }  // namespace hax

@@ -18,7 +18,18 @@ namespace {
 // next to each other (sorted by their chunk lists), so that the attention op computes them as
 // tiles over shared keys. Speed only. chunks: (B, L, k) int32.
 at::Tensor retrieval_order(const at::Tensor& chunks0, int64_t H) {
-  const at::Tensor chunks = chunks0.to(at::kCPU).contiguous();
+  if (chunks0.is_cuda()) {
+    // On the device (nothing waits for it): stable sorts by each chunk column from the last to
+    // the first give the lexicographic order, ties by position, as std::stable_sort does below.
+    const int64_t B = chunks0.size(0), L = chunks0.size(1), k = chunks0.size(2);
+    at::Tensor order = at::arange(L, chunks0.options().dtype(at::kLong)).unsqueeze(0).expand({B, L}).contiguous();
+    for (int64_t j = k - 1; j >= 0; --j) {
+      const at::Tensor key = chunks0.select(2, j).gather(1, order);
+      order = order.gather(1, std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/1, /*descending=*/false)));
+    }
+    return order.to(at::kInt).unsqueeze(1).expand({B, H, L}).contiguous();
+  }
+  const at::Tensor chunks = chunks0.contiguous();
   const int64_t B = chunks.size(0), L = chunks.size(1), k = chunks.size(2);
   at::Tensor order = at::empty({B, L}, at::TensorOptions().dtype(at::kInt));
   const int32_t* c = chunks.data_ptr<int32_t>();
@@ -32,7 +43,7 @@ at::Tensor retrieval_order(const at::Tensor& chunks0, int64_t H) {
       });
     }
   });
-  return order.unsqueeze(1).expand({B, H, L}).contiguous().to(chunks0.device());
+  return order.unsqueeze(1).expand({B, H, L}).contiguous();
 }
 
 }  // namespace

@@ -137,16 +137,19 @@ at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const 
   return ops::ranking_loss_fused(scores, q, k, seq_idx, valid, cand);
 }
 
-at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                        const at::Tensor& valid, int64_t candidates, uint64_t seed, const at::Tensor& valid_host) {
-  const int64_t B = q.size(0), L = q.size(1);
-  const at::Tensor& vh = valid_host.defined() ? valid_host : valid;
-  at::Tensor ok = vh.defined() ? vh.to(at::kCPU).to(at::kBool).contiguous() : at::ones({B, L}, at::kBool);
+at::Tensor ranking_candidates(const at::Tensor& valid_host, int64_t B, int64_t L, int64_t candidates, uint64_t seed) {
+  at::Tensor ok = valid_host.defined() ? valid_host.to(at::kCPU).to(at::kBool).contiguous() : at::ones({B, L}, at::kBool);
+  HAX_CHECK(ok.dim() == 2 && ok.size(0) == B && ok.size(1) == L,
+            "ranking_candidates: the valid mask has shape {} but the scores have B = {}, L = {}",
+            ops::shape_str(ok.sizes()), B, L);
   const bool* okp = ok.data_ptr<bool>();
-  // Same candidate count for every row: the fewest valid positions of any row, at most `candidates`.
-  int64_t C = candidates;
-  for (int64_t b = 0; b < B; ++b) C = std::min<int64_t>(C, std::count(okp + b * L, okp + (b + 1) * L, true));
-  if (C < 2) return scores.sum() * 0.0;  // no pair to rank
+  // Same candidate count for every row: the fewest valid positions of any row that has one (a row
+  // with none is padding, left out of the loss), at most `candidates`.
+  int64_t C = std::min(candidates, L);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::count(okp + b * L, okp + (b + 1) * L, true);
+    if (n > 0) C = std::min(C, n);
+  }
   at::Tensor cand = at::empty({B, C}, at::kLong);
   int64_t* cp = cand.data_ptr<int64_t>();
   std::vector<int64_t> pool(L);  // one row's valid positions, reused (no allocation per row)
@@ -154,6 +157,10 @@ at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at:
     const bool* row = okp + b * L;
     int64_t n = 0;
     for (int64_t t = 0; t < L; ++t) pool[n] = t, n += row[t];  // compaction without a branch
+    if (n == 0) {  // a padding row: any distinct positions (its loss is masked out)
+      for (int64_t c = 0; c < C; ++c) cp[b * C + c] = c;
+      continue;
+    }
     Rng rng(derive_seed(seed, 0x4B53, (uint64_t)b));
     for (int64_t c = 0; c < C; ++c) {  // partial Fisher-Yates: C distinct positions
       const int64_t r = c + (int64_t)rng.below(n - c);
@@ -161,8 +168,28 @@ at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at:
       cp[b * C + c] = pool[c];
     }
   }
+  return cand;
+}
+
+at::Tensor ranking_loss_of(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                           const at::Tensor& valid, const at::Tensor& cand, const at::Tensor& rows) {
+  if (cand.size(1) < 2) return scores.sum() * 0.0;  // no pair to rank
+  return ops::ranking_loss_fused(scores, q, k, seq_idx, valid, cand, rows);
+}
+
+at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                        const at::Tensor& valid, int64_t candidates, uint64_t seed, const at::Tensor& valid_host) {
+  const int64_t B = q.size(0), L = q.size(1);
+  const at::Tensor& vh = valid_host.defined() ? valid_host : valid;
+  const at::Tensor cand = ranking_candidates(vh, B, L, candidates, seed);
+  // Rows without a valid position (padding rows) are left out of the mean.
+  at::Tensor rows;
+  if (vh.defined()) {
+    const at::Tensor any_host = vh.to(at::kCPU).to(at::kBool).any(1);
+    if (!any_host.all().item<bool>()) rows = any_host.to(scores.device(), /*non_blocking=*/true);
+  }
   // Not waiting for the copy: the source is staged at once (a blocking copy would wait for the GPU).
-  return ranking_loss_at(scores, q, k, seq_idx, valid, cand.to(scores.device(), /*non_blocking=*/true));
+  return ranking_loss_of(scores, q, k, seq_idx, valid, cand.to(scores.device(), /*non_blocking=*/true), rows);
 }
 
 }  // namespace hax

@@ -45,4 +45,14 @@ at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at:
 at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
                            const at::Tensor& valid, const at::Tensor& cand);
 
+// The candidates ranking_loss draws: (B, C) int64 on the CPU, C = min(candidates, L, the fewest
+// valid positions of any row that has one); a row with no valid position (a padding row) gets
+// 0..C-1. valid_host (B, L) bool, or undefined (all valid).
+at::Tensor ranking_candidates(const at::Tensor& valid_host, int64_t B, int64_t L, int64_t candidates, uint64_t seed);
+
+// The loss for candidates on the scores' device (0 when C < 2), rows (B) bool or undefined: the
+// rows kept in the mean (ops::ranking_loss_fused).
+at::Tensor ranking_loss_of(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                           const at::Tensor& valid, const at::Tensor& cand, const at::Tensor& rows);
+
 }  // namespace hax

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "core/rng.h"
+#include "layers/host_inputs.h"
 #include "ops/attention/attention.h"
 #include "ops/causal_attention/causal_attention.h"
 
@@ -55,8 +56,12 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
       // Rounded to q's dtype and widened to float64 (the buckets' math) on the host, so the GPU
       // gets one upload and no conversions. Not waiting for the copy (the source is staged at
       // once; a blocking copy waits for the GPU).
-      const at::Tensor proj =
-          lsh_projection(ctx).to(q.scalar_type()).to(at::kDouble).to(q.device(), /*non_blocking=*/true);
+      const at::ScalarType dt = q.scalar_type();
+      const int64_t N = N_, bits = bits_, layer = layer_;
+      const HostInputMaker make = [dt, N, bits, layer](const ForwardContext& c) {
+        return patterns::lsh_projection(N, bits, derive_seed(c.seed, 0x15A, (uint64_t)layer)).to(dt).to(at::kDouble);
+      };
+      const at::Tensor proj = host_input(ctx, make, q.device());
       p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, proj, binning_, seq_idx);
     } else if (part == "ks") {
       RECORD_USER_SCOPE("hax::ks_scores_and_lists");
@@ -154,8 +159,21 @@ at::Tensor SparseAttentionBranch::forward(const at::Tensor& qk_in, const at::Ten
   at::Tensor out = attend(qk_in, q, k, v.reshape({B, L, H_, v_dim_ / H_}), seq_idx, ctx, &scores);
   if (scorer && ctx && ctx->training) {
     RECORD_USER_SCOPE("hax::ranking_loss");
-    ctx->ranking_losses.push_back(ranking_loss(scores, q.detach(), k.detach(), seq_idx, ctx->valid, candidates_,
-                                               derive_seed(ctx->seed, 0x45, (uint64_t)layer_), ctx->valid_host));
+    // The candidates are drawn on the host from the step's seed and valid mask (host_inputs.h).
+    const int64_t cands = candidates_, layer = layer_;
+    const HostInputMaker make = [B, L, cands, layer](const ForwardContext& c) {
+      at::Tensor vh = c.valid_host.defined() ? c.valid_host : c.valid;  // (a GPU valid is read back)
+      return ranking_candidates(vh, B, L, cands, derive_seed(c.seed, 0x45, (uint64_t)layer));
+    };
+    const at::Tensor cand = host_input(ctx, make, scores.device());
+    // Rows without a valid position (padding rows of a fixed-shape step) are left out of the mean;
+    // while a step is captured the mask is always passed, so that the graph fits every batch.
+    at::Tensor rows;
+    if (ctx->valid.defined()) {
+      const at::Tensor& vh = ctx->valid_host.defined() ? ctx->valid_host : ctx->valid;
+      if (ctx->host_inputs || !vh.to(at::kCPU).any(1).all().item<bool>()) rows = ctx->valid.any(1);
+    }
+    ctx->ranking_losses.push_back(ranking_loss_of(scores, q.detach(), k.detach(), seq_idx, ctx->valid, cand, rows));
   }
   return out.reshape({B, L, v_dim_}) * E;
 }

@@ -170,8 +170,9 @@ ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::T
   const at::Tensor at_start = at::where(rel.eq(0), n_seq, at::zeros_like(n_seq));
   const at::Tensor cum = at_start.cumsum(1);
   const at::Tensor first = cum - n_seq;
-  // One sequence per row: L / chunk chunks each, known on the host (no wait on the device).
-  const int64_t NC = seq.defined() ? cum.select(1, L - 1).max().item<int64_t>() : L / chunk;
+  // The most complete chunks a row can hold (packed rows hold fewer; the rest of start is -1): a
+  // shape known on the host, so nothing waits on the device.
+  const int64_t NC = L / chunk;
   // start[b, first + m] = the position where chunk m of a sequence begins; the rest goes to column NC.
   const at::Tensor begins = rel.remainder(chunk).eq(0) & m.lt(n_seq);
   const at::Tensor column = at::where(begins, first + m, at::full({}, NC, i64));
@@ -189,7 +190,7 @@ at::Tensor top_k_chunks_device(const at::Tensor& q_ret, const at::Tensor& landma
   const at::Tensor lm = landmarks.detach().to(dev).contiguous();
   const at::Tensor lo = lo0.to(dev).contiguous(), hi = hi0.to(dev).contiguous();
   const int64_t B = q.size(0), L = q.size(1), D = q.size(2), NC = lm.size(1);
-  if (B * L > 0) {
+  if (B * L > 0 && ops::check_device_values()) {  // a read-back: only with device-value checks on
     const at::Tensor bad = (lo.lt(0) | lo.gt(hi) | hi.gt(NC)).flatten();
     if (bad.any().item<bool>()) {
       const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();

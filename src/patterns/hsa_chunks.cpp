@@ -84,7 +84,7 @@ ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& 
   std::vector<std::vector<int32_t>> starts(B);
   at::Tensor lo = at::empty({B, L}, at::TensorOptions().dtype(at::kInt));
   at::Tensor hi = at::empty({B, L}, at::TensorOptions().dtype(at::kInt));
-  int64_t NC = 0;
+  const int64_t NC = L / chunk;  // the most complete chunks a row can hold (a shape fixed by B and L)
   for (int64_t b = 0; b < B; ++b) {
     int32_t *l = lo.data_ptr<int32_t>() + b * L, *h = hi.data_ptr<int32_t>() + b * L;
     for (const auto& [s, e] : detail::segments(seq, b, L)) {
@@ -92,7 +92,6 @@ ChunkLayout chunk_layout(int64_t B, int64_t L, int64_t chunk, const at::Tensor& 
       for (int64_t c = s; c + chunk <= e; c += chunk) starts[b].push_back((int32_t)c);
       for (int64_t i = s; i < e; ++i) l[i] = first, h[i] = first + int32_t((i - s) / chunk);
     }
-    NC = std::max<int64_t>(NC, (int64_t)starts[b].size());
   }
   at::Tensor start = at::full({B, NC}, -1, at::TensorOptions().dtype(at::kInt));
   for (int64_t b = 0; b < B; ++b)

@@ -84,7 +84,8 @@ namespace hax::patterns {
 // never the chunk it is in, never a future one.
 struct ChunkLayout {
   int64_t chunk = 0;      // tokens per chunk
-  at::Tensor start;       // (B, NC) int32: first position of each chunk of the row, in order; -1 past the row's last chunk
+  at::Tensor start;       // (B, NC) int32, NC = L / chunk (the most a row can hold, so the shape depends on
+                          // B and L only): first position of each chunk of the row, in order; -1 past the row's last chunk
   at::Tensor lo, hi;      // (B, L) int32: query i may retrieve the chunks [lo, hi) of its row
 };
 // On `device` when given, else on seq_idx's device, else on the CPU.

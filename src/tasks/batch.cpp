@@ -76,7 +76,7 @@ Batch Batch::to(const at::Device& device) const {
   Batch b = *this;
   const bool pin = device.is_cuda() && inputs.device().is_cpu();
   for (at::Tensor* t : {&b.inputs, &b.targets, &b.loss_mask, &b.seq_idx, &b.sample_id, &b.supervised,
-                     &b.supervised_weight})
+                     &b.supervised_weight, &b.supervised_mask})
     if (t->defined()) *t = (pin ? t->pin_memory() : *t).to(device, /*non_blocking=*/true);
   return b;
 }
@@ -108,6 +108,50 @@ Batch make_packed_batch(const std::vector<Sample>& samples, int64_t pack_len, in
 
 Batch make_batch(const std::vector<Sample>& samples, bool pack, int64_t pack_len, int32_t pad_id) {
   return pack ? make_packed_batch(samples, pack_len, pad_id) : make_batch(samples, pad_id);
+}
+
+Batch pad_batch(const Batch& batch, int64_t rows, int64_t length, int64_t supervised, int32_t pad_id) {
+  HAX_CHECK(batch.inputs.defined() && batch.inputs.dim() == 2 && batch.inputs.is_cpu(),
+            "pad_batch: the batch's inputs must be a (B, T) tensor on the CPU");
+  HAX_CHECK(batch.supervised.defined() && batch.supervised_weight.defined() && !batch.supervised_mask.defined(),
+            "pad_batch: the batch must come from make_batch (its supervised positions known) and not be padded "
+            "already");
+  const int64_t B = batch.inputs.size(0), T = batch.inputs.size(1), M = batch.supervised.numel();
+  HAX_CHECK(rows >= B, "pad_batch: rows = {} is fewer than the batch's {} rows", rows, B);
+  HAX_CHECK(length >= T, "pad_batch: length = {} is shorter than the batch's {} positions", length, T);
+  HAX_CHECK(supervised >= M, "pad_batch: supervised = {} is fewer than the batch's {} supervised positions",
+            supervised, M);
+  Batch p = batch;
+  auto grow = [&](const at::Tensor& t, double fill) {  // (B, T) -> (rows, length), t in the top-left corner
+    at::Tensor out = at::full({rows, length}, fill, t.options());
+    out.narrow(0, 0, B).narrow(1, 0, T).copy_(t);
+    return out;
+  };
+  p.inputs = grow(batch.inputs, pad_id);
+  p.targets = grow(batch.targets, pad_id);
+  p.loss_mask = grow(batch.loss_mask, 0);
+  p.sample_id = grow(batch.sample_id, -1);
+  if (batch.seq_idx.defined()) {
+    p.seq_idx = grow(batch.seq_idx, 0);
+    if (length > T && T > 0) {
+      // A row's appended positions belong to its padding segment: the one after its last sample,
+      // or the padding segment the row already ends in.
+      const at::Tensor last_seg = batch.seq_idx.select(1, T - 1);
+      const at::Tensor last_real = batch.sample_id.select(1, T - 1) >= 0;
+      const at::Tensor pad_seg = last_seg + last_real.to(at::kInt);
+      p.seq_idx.narrow(0, 0, B).narrow(1, T, length - T).copy_(pad_seg.unsqueeze(1).expand({B, length - T}));
+    }
+  }
+  // Flat indices move from rows of T to rows of `length` positions.
+  const at::Tensor sup = batch.supervised;
+  const at::Tensor moved = at::div(sup, std::max<int64_t>(T, 1), "floor") * length + sup.remainder(std::max<int64_t>(T, 1));
+  p.supervised = at::zeros({supervised}, at::kLong);
+  p.supervised.narrow(0, 0, M).copy_(moved);
+  p.supervised_weight = at::zeros({supervised}, at::kDouble);
+  p.supervised_weight.narrow(0, 0, M).copy_(batch.supervised_weight);
+  p.supervised_mask = at::zeros({supervised}, at::kFloat);
+  p.supervised_mask.narrow(0, 0, M).fill_(1);
+  return p;
 }
 
 at::Tensor per_sample_accuracy(const Batch& batch, const at::Tensor& correct) {

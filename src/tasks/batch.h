@@ -30,6 +30,10 @@ struct Batch {
   at::Tensor supervised_weight;     // (M) float64 1 / (supervised positions of the position's sample),
                                     // so that Σ weight · correct is the sum of per-sample accuracies;
                                     // defined with `supervised`
+  // Padded batches only (pad_batch): (M) float32, 1 at real supervised positions and 0 at the
+  // padding entries appended to `supervised` (which point at position 0 with weight 0). The loss
+  // is then Σ mask · CE / Σ mask instead of the mean over `supervised`.
+  at::Tensor supervised_mask;
 
   // The same batch with its tensors on `device` (itself when they are there already). Copies to a
   // CUDA device go through pinned memory without waiting (stream-ordered with later work).
@@ -46,6 +50,14 @@ Batch make_packed_batch(const std::vector<Sample>& samples, int64_t pack_len, in
 
 // make_packed_batch(samples, pack_len, pad_id) when `pack`, else make_batch(samples, pad_id).
 Batch make_batch(const std::vector<Sample>& samples, bool pack, int64_t pack_len, int32_t pad_id = 3);
+
+// The same batch padded to a fixed shape: `rows` rows of `length` positions and `supervised`
+// entries (each at least the batch's own). Appended positions and rows are padding (the pad id,
+// loss_mask 0, sample_id -1; packed rows continue with the padding segment, appended rows are
+// segment 0), and `supervised` gains entries marked 0 in `supervised_mask`. Every model in hax
+// is causal within a row and independent across rows, so a padded batch gives the same loss and
+// gradients (the CUDA-graph training steps need fixed shapes). CPU tensors in, CPU tensors out.
+Batch pad_batch(const Batch& batch, int64_t rows, int64_t length, int64_t supervised, int32_t pad_id = 3);
 
 // Per-sample accuracy: the mean of `correct` ((B, T) bool or float, e.g. argmax == targets) over
 // each sample's supervised positions. Returns (num_samples) float64 on the CPU; NaN for a sample

@@ -59,10 +59,10 @@ void AdamW::step(double lr, const at::Tensor& skip) {
   }
 }
 
-void AdamW::fused_step(double lr, const at::Tensor& skip) {
+// The fused update with the learning rate as a number (lr_t undefined) or read on the device.
+void AdamW::fused_update(double lr, const at::Tensor& lr_t, const at::Tensor& skip) {
 #if HAX_FUSED_OPTIM
   torch::NoGradGuard ng;
-  ++t_;
   std::vector<at::Tensor> gs;
   gs.reserve(ps_.size());
   for (auto& p : ps_) {
@@ -75,13 +75,28 @@ void AdamW::fused_step(double lr, const at::Tensor& skip) {
   at::_foreach_add_(step_counts_, 1.0);
   std::optional<at::Tensor> found_inf;
   if (skip.defined()) found_inf = skip.to(ps_[0].device(), at::kFloat).reshape({1});
-  at::_fused_adamw_(ps_, gs, ms_, vs_, /*max_exp_avg_sqs=*/at::TensorList(), step_counts_, lr, o_.beta1, o_.beta2,
-                    o_.weight_decay, o_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
-                    found_inf);
+  if (lr_t.defined())
+    at::_fused_adamw_(ps_, gs, ms_, vs_, /*max_exp_avg_sqs=*/at::TensorList(), step_counts_, lr_t, o_.beta1,
+                      o_.beta2, o_.weight_decay, o_.eps, /*amsgrad=*/false, /*maximize=*/false,
+                      /*grad_scale=*/std::nullopt, found_inf);
+  else
+    at::_fused_adamw_(ps_, gs, ms_, vs_, /*max_exp_avg_sqs=*/at::TensorList(), step_counts_, lr, o_.beta1, o_.beta2,
+                      o_.weight_decay, o_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                      found_inf);
 #else
-  (void)lr, (void)skip;
+  (void)lr, (void)lr_t, (void)skip;
   fail("AdamW: the fused optimizer needs LibTorch >= 2.4");
 #endif
+}
+
+void AdamW::step_on_device(const at::Tensor& lr, const at::Tensor& skip) {
+  HAX_CHECK(fused_, "AdamW::step_on_device needs the fused CUDA path (float32 CUDA parameters, LibTorch >= 2.4)");
+  fused_update(0.0, lr, skip);
+}
+
+void AdamW::fused_step(double lr, const at::Tensor& skip) {
+  ++t_;
+  fused_update(lr, at::Tensor(), skip);
 }
 
 void AdamW::zero_grad() {

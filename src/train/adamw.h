@@ -29,6 +29,11 @@ class AdamW {
   // (a non-finite step, after which the trainer stops). On the fused CUDA path this is decided on
   // the device, without waiting, and the device's step count still advances.
   void step(double lr, const at::Tensor& skip = {});
+  // The same update on the fused path with the learning rate read on the device (lr: a float32
+  // scalar tensor on the parameters' device), so that a captured CUDA graph replays it with each
+  // step's rate. It does not advance steps_taken(): a replayed step calls note_step().
+  void step_on_device(const at::Tensor& lr, const at::Tensor& skip);
+  void note_step() { ++t_; }
   void zero_grad();
   // Updates applied (on the fused path a step skipped on the device counts too).
   int64_t steps_taken() const { return t_; }
@@ -40,6 +45,7 @@ class AdamW {
 
  private:
   void fused_step(double lr, const at::Tensor& skip);
+  void fused_update(double lr, const at::Tensor& lr_t, const at::Tensor& skip);
   std::map<std::string, at::Tensor> params_, m_, v_;
   AdamWOptions o_;
   int64_t t_ = 0;

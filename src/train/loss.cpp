@@ -5,7 +5,8 @@ namespace hax {
 LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardContext& ctx, bool read_accuracy) {
   const Batch batch = batch0.to(model.device());
   ctx.valid = batch.sample_id >= 0;
-  ctx.valid_host = batch0.sample_id.is_cpu() && !batch.sample_id.is_cpu() ? batch0.sample_id >= 0 : at::Tensor();
+  // A batch already on the device keeps the caller's valid_host (the CUDA-graph steps set it).
+  if (batch0.sample_id.is_cpu()) ctx.valid_host = !batch.sample_id.is_cpu() ? batch0.sample_id >= 0 : at::Tensor();
   ctx.ranking_losses.clear();
   at::Tensor h = model.hidden(batch.inputs, batch.seq_idx, nullptr, &ctx);  // (B, T, d)
   // Supervised positions: known on the host for batches from make_batch (no device read-back).
@@ -13,8 +14,9 @@ LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardCont
       batch.supervised.defined() ? batch.supervised : batch.loss_mask.reshape({-1}).nonzero().squeeze(1);
   LossResult r;
   for (auto& l : ctx.ranking_losses) r.ranking = r.ranking.defined() ? r.ranking + l : l;
-  r.positions = sel.numel();
-  if (r.positions == 0) {
+  const bool padded = batch.supervised_mask.defined();
+  r.positions = padded ? -1 : sel.numel();  // a padded batch's count lies on the device
+  if (sel.numel() == 0) {
     r.loss = (h.sum() * 0.0);
     r.correct = at::zeros({}, h.options().dtype(at::kDouble));
     return r;
@@ -22,7 +24,15 @@ LossResult masked_lm_loss(LanguageModel& model, const Batch& batch0, ForwardCont
   at::Tensor hs = h.reshape({-1, h.size(-1)}).index_select(0, sel);  // (M, d)
   at::Tensor logits = model.logits(hs);                               // (M, V)
   at::Tensor tg = batch.targets.reshape({-1}).index_select(0, sel);
-  r.loss = at::cross_entropy_loss(logits, tg);
+  if (padded) {
+    // Σ mask · CE / Σ mask: the mean over the real supervised positions (the padding entries have
+    // mask 0), computed without reading the count back.
+    const at::Tensor& mask = batch.supervised_mask;
+    at::Tensor ce = at::cross_entropy_loss(logits, tg, {}, at::Reduction::None);  // (M)
+    r.loss = (ce * mask.to(ce.scalar_type())).sum() / mask.sum().clamp_min(1).to(ce.scalar_type());
+  } else {
+    r.loss = at::cross_entropy_loss(logits, tg);
+  }
   torch::NoGradGuard ng;
   if (batch.supervised.defined() && batch.supervised_weight.defined() && batch.supervised_samples >= 0) {
     // Σ over samples of each one's accuracy, from host-known weights (4 launches, no read-back).

@@ -14,7 +14,7 @@ struct LossResult {
                              // accuracy (mean over its positions); read it when the numbers are needed
   double correct_sum = 0;    // `correct` read back (only when masked_lm_loss was asked to read it)
   int64_t samples = 0;       // samples with at least one supervised position
-  int64_t positions = 0;     // supervised positions
+  int64_t positions = 0;     // supervised positions (-1 for a padded batch: see pad_batch)
   at::Tensor ranking;        // scalar: Σ over layers of the Key Selection ranking losses (training), or undefined
 };
 

@@ -11,6 +11,8 @@ void TrainConfig::validate() const {
   HAX_CHECK(device == "cpu" || device == "cuda" || device == "auto" || device.rfind("cuda:", 0) == 0,
             "--device {} is unknown; choose cpu, cuda, cuda:N or auto", device);
   HAX_CHECK(precision == "fp32" || precision == "bf16", "--precision {} is unknown; choose fp32 or bf16", precision);
+  HAX_CHECK(cuda_graphs == "auto" || cuda_graphs == "on" || cuda_graphs == "off",
+            "--cuda-graphs {} is unknown; choose auto, on or off", cuda_graphs);
   positive("--steps", steps);
   positive("--batch-size", batch_size);
   positive("--eval-batch-size", eval_batch_size);
@@ -41,6 +43,7 @@ nlohmann::ordered_json TrainConfig::to_json() const {
   return {{"run_dir", run_dir},       {"seed", seed},
           {"threads", threads},       {"device", device},
           {"precision", precision},   {"deterministic", deterministic},
+          {"cuda_graphs", cuda_graphs},
           {"steps", steps},           {"batch_size", batch_size},
           {"lr", lr},                 {"min_lr", min_lr},
           {"schedule", schedule},     {"warmup_steps", warmup_steps},

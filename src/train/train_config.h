@@ -13,6 +13,10 @@ struct TrainConfig {
   std::string device = "cpu";   // "cpu", "cuda" (or "cuda:N") or "auto" (cuda when available)
   std::string precision = "fp32";  // "fp32", or "bf16": autocast on CUDA (float32 weights and optimizer state)
   bool deterministic = false;   // CUDA backward passes sum in a fixed order (bit-identical reruns; a little slower)
+  // CUDA: replay each step from a captured CUDA graph (fixed-shape padded batches; train/step_graph.h).
+  // "auto" = where it can run (fused optimizer, not deterministic) and is faster than eager steps
+  // (timed at the start), "on" = required, "off" = eager.
+  std::string cuda_graphs = "auto";
   int64_t steps = 400000;       // optimizer steps (paper: 400K)
   int64_t batch_size = 64;      // samples per step (paper: 64)
   double lr = 2e-3;             // peak learning rate (paper grid 1e-3..3e-3)

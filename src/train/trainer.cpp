@@ -23,6 +23,8 @@
 #include "train/metrics.h"
 #include "train/precision.h"
 #include "train/schedule.h"
+#include "train/step_graph.h"
+#include "train/train_step.h"
 
 namespace hax {
 
@@ -181,42 +183,75 @@ TrainSummary train(const RunConfig& run) {
     bar.update(todo.back().step, last_loss, last_acc, tps);
   };
 
+  const StepSettings settings{tc.precision, tc.ranking_alpha, tc.grad_clip};
+  // CUDA graphs (step_graph.h): "auto" uses them where they can run, "on" insists.
+  std::unique_ptr<StepGraph> graphs;
+  std::string graphs_unavailable;  // why, on a CUDA device, graphs cannot run
+  if (tc.cuda_graphs != "off") {
+    std::string why;
+    if (step_graphs_possible(opt, device, tc.deterministic, &why)) {
+      graphs = std::make_unique<StepGraph>(model, opt, params, settings, /*adaptive=*/tc.cuda_graphs == "auto");
+    } else {
+      HAX_CHECK(tc.cuda_graphs != "on", "--cuda-graphs on: CUDA graphs cannot run here: {}", why);
+      if (device.is_cuda()) graphs_unavailable = why;
+    }
+  }
+  bool graphs_reported = false;  // whether graphs turning themselves off has been reported
+
   for (int64_t step = meta.step; step < tc.steps; ++step) {
     std::vector<Sample> samples;
     for (int64_t i = 0; i < tc.batch_size; ++i) samples.push_back(stream.at(step * tc.batch_size + i));
     Batch batch = make_batch(samples, tc.pack, pack_len);
     const double lr = learning_rate(step, tc.steps, tc.lr, tc.min_lr, tc.warmup_steps, tc.schedule);
+    const bool swa_warm = tc.swa_warmup_window > 0 && step < tc.swa_warmup_steps;
     if (tc.swa_warmup_window > 0)  // validations during the warm-up see the window the model trains with
-      model.set_swa_window(step < tc.swa_warmup_steps ? tc.swa_warmup_window : run.model.swa_window);
-    ForwardContext ctx;
-    ctx.training = true;
-    ctx.seed = derive_seed(tc.seed, 0x57E9, (uint64_t)step);  // LSH hash resampled every step
-    LossResult r;
-    {
-      AutocastScope autocast(tc.precision, device);
-      r = masked_lm_loss(model, batch, ctx, /*read_accuracy=*/false);
+      model.set_swa_window(swa_warm ? tc.swa_warmup_window : run.model.swa_window);
+    const uint64_t seed = derive_seed(tc.seed, 0x57E9, (uint64_t)step);  // LSH hash resampled every step
+    at::Tensor values;  // (4) float64 on the device: loss, ranking loss, gradient norm, Σ accuracy
+    if (graphs && step != nan_step) {
+      values = graphs->run(batch, seed, lr, swa_warm ? 1 : 0);
+      if (graphs->disabled() && !graphs_reported) {
+        graphs_reported = true;
+        HAX_CHECK(tc.cuda_graphs != "on", "--cuda-graphs on: {}", graphs->disabled_reason());
+        metrics.write({{"event", "cuda_graphs_off"}, {"step", step + 1}, {"message", graphs->disabled_reason()}});
+        bar.message(fmt::format("CUDA graphs off: {}; the steps run eagerly", graphs->disabled_reason()));
+      }
     }
-    if (step == nan_step) r.loss = r.loss * std::nan("");
-    const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
-    at::Tensor loss_d = r.loss.detach().to(at::kDouble);
-    at::Tensor ranking_d = r.ranking.defined() ? r.ranking.detach().to(at::kDouble) : at::zeros({}, f64);
-    opt.zero_grad();
-    at::Tensor gnorm_d;
-    if (defer) {
-      // Backward runs whatever the loss; a non-finite step is skipped on the device (found_inf)
-      // and reported when its metrics are read, before any checkpoint is written.
-      (r.ranking.defined() ? r.loss + tc.ranking_alpha * r.ranking : r.loss).backward();
-      gnorm_d = clip_grad_norm_async(params, tc.grad_clip);
-    } else if (std::isfinite(loss_d.item<double>())) {
-      (r.ranking.defined() ? r.loss + tc.ranking_alpha * r.ranking : r.loss).backward();
-      gnorm_d = clip_grad_norm_async(params, tc.grad_clip);
+    int64_t samples_supervised = batch.supervised_samples;
+    if (values.defined()) {
+      pending.push_back({step + 1, lr, batch.num_tokens, samples_supervised, values});
+    } else if (defer) {
+      ForwardContext ctx;
+      ctx.seed = seed;
+      opt.zero_grad();
+      // A non-finite step is skipped on the device (found_inf) and reported when its metrics are
+      // read, before any checkpoint is written.
+      values = device_train_step(model, params, batch, ctx, settings,
+                                 [&](const at::Tensor& skip) { opt.step(lr, skip); }, step == nan_step,
+                                 &samples_supervised);
+      pending.push_back({step + 1, lr, batch.num_tokens, samples_supervised, values});
     } else {
-      gnorm_d = at::zeros({}, f64);
-    }
-    pending.push_back({step + 1, lr, batch.num_tokens, r.samples, at::stack({loss_d, ranking_d, gnorm_d, r.correct})});
-    if (defer) {
-      opt.step(lr, at::isfinite(loss_d + gnorm_d).logical_not());
-    } else {
+      ForwardContext ctx;
+      ctx.training = true;
+      ctx.seed = seed;
+      LossResult r;
+      {
+        AutocastScope autocast(tc.precision, device);
+        r = masked_lm_loss(model, batch, ctx, /*read_accuracy=*/false);
+      }
+      if (step == nan_step) r.loss = r.loss * std::nan("");
+      const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
+      at::Tensor loss_d = r.loss.detach().to(at::kDouble);
+      at::Tensor ranking_d = r.ranking.defined() ? r.ranking.detach().to(at::kDouble) : at::zeros({}, f64);
+      opt.zero_grad();
+      at::Tensor gnorm_d;
+      if (std::isfinite(loss_d.item<double>())) {
+        (r.ranking.defined() ? r.loss + tc.ranking_alpha * r.ranking : r.loss).backward();
+        gnorm_d = clip_grad_norm_async(params, tc.grad_clip);
+      } else {
+        gnorm_d = at::zeros({}, f64);
+      }
+      pending.push_back({step + 1, lr, batch.num_tokens, r.samples, at::stack({loss_d, ranking_d, gnorm_d, r.correct})});
       flush();  // throws on a non-finite step, before its update
       opt.step(lr);
     }
@@ -256,6 +291,12 @@ TrainSummary train(const RunConfig& run) {
   summary.best_valid_acc = meta.best_valid_acc;
   summary.best_step = meta.best_step;
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (graphs) {
+    summary.graph_replays = graphs->replays(), summary.graph_captures = graphs->captures();
+    summary.graphs_off = graphs->disabled_reason();
+  } else {
+    summary.graphs_off = graphs_unavailable;
+  }
   if (summary.interrupted) return summary;
 
   // Final test accuracy of the best-validation model, with the model's own window.
@@ -272,7 +313,9 @@ TrainSummary train(const RunConfig& run) {
   nlohmann::json s = {{"steps", summary.steps_done},       {"best_valid_acc", summary.best_valid_acc},
                       {"best_step", summary.best_step},    {"test_acc", summary.test_acc},
                       {"test_loss", summary.test_loss},    {"n_test", t.samples},
-                      {"train_seconds_this_session", summary.seconds}};
+                      {"train_seconds_this_session", summary.seconds},
+                      {"cuda_graph_replays", summary.graph_replays}, {"cuda_graph_captures", summary.graph_captures}};
+  if (!summary.graphs_off.empty()) s["cuda_graphs_off"] = summary.graphs_off;
   write_file_atomic(tc.run_dir + "/summary.json", s.dump(2) + "\n");
   return summary;
 }

@@ -35,6 +35,9 @@ struct TrainSummary {
   double test_loss = 0;
   double seconds = 0;
   bool interrupted = false;   // stopped by Ctrl-C / SIGTERM after writing a checkpoint
+  int64_t graph_replays = 0;  // steps run from a CUDA graph (--cuda-graphs), this session
+  int64_t graph_captures = 0; // graphs captured (one per growth of the padded shape)
+  std::string graphs_off;     // why CUDA graphs did not run or stopped, if they did not
   std::string run_dir;
 };
 

@@ -48,7 +48,7 @@ void check_cand_values(const at::Tensor& cand, const Dims& d) {
 // seq_idx's order and cand's values are read on the CPU, and on a CUDA device only while
 // check_device_values() is on (they would stall the host).
 Dims check_inputs(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                  const at::Tensor& valid, const at::Tensor& cand, at::Tensor* seq) {
+                  const at::Tensor& valid, const at::Tensor& cand, const at::Tensor& rows, at::Tensor* seq) {
   check_rank(kOp, "scores", scores, 3, "(B, L, H)");
   check_floating(kOp, "scores", scores);
   Dims d{scores.size(0), scores.size(1), scores.size(2), 0, 0};
@@ -75,16 +75,24 @@ Dims check_inputs(const at::Tensor& scores, const at::Tensor& q, const at::Tenso
               c10::toString(valid.scalar_type()));
     check_device("valid", valid, scores);
   }
+  if (rows.defined()) {
+    check_shape(kOp, "rows", rows, {d.B}, "(B)");
+    HAX_CHECK(rows.scalar_type() == at::kBool,
+              "{}: rows has dtype {} but must be bool (true: the row counts; false: a padding row, left out)", kOp,
+              c10::toString(rows.scalar_type()));
+    check_device("rows", rows, scores);
+  }
   if (seq_idx.defined()) check_device("seq_idx", seq_idx, scores);
   *seq = check_seq_idx(kOp, seq_idx, d.B, d.L);
   if (!cand.is_cuda() || check_device_values()) check_cand_values(cand, d);
   return d;
 }
 
-// Checked inputs of the CUDA path: q and k keep their strides when their last dim is contiguous.
+// Checked inputs of the CUDA path: q and k keep their strides when their last dim is contiguous;
+// seq, valid, cand, rows are contiguous (valid and rows may be undefined).
 struct Inputs {
   Dims d;
-  at::Tensor q, k, seq, valid, cand;
+  at::Tensor q, k, seq, valid, cand, rows;
 };
 
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
@@ -92,7 +100,7 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ?
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Differentiable in scores only; `in` (q, k, seq_idx, valid, cand) reaches the forward as a plain
+// Differentiable in scores only; `in` (q, k, seq_idx, valid, cand, rows) reaches the forward as a plain
 // argument, so autograd gives those tensors no gradient.
 struct RankingLossFunction : public torch::autograd::Function<RankingLossFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor scores0, const Inputs& in) {
@@ -110,6 +118,7 @@ struct RankingLossFunction : public torch::autograd::Function<RankingLossFunctio
     p.seq_idx = in.seq.defined() ? in.seq.data_ptr<int32_t>() : nullptr;
     p.valid = in.valid.defined() ? in.valid.data_ptr<bool>() : nullptr;
     p.cand = in.cand.data_ptr<int64_t>();
+    p.rows = in.rows.defined() ? in.rows.data_ptr<bool>() : nullptr;
     float* w = work.data_ptr<float>();
     p.dx = w, p.y = w + bch, p.partial = w + 2 * bch;
     p.loss = loss.data_ptr();
@@ -137,12 +146,18 @@ struct RankingLossFunction : public torch::autograd::Function<RankingLossFunctio
 }  // namespace
 
 at::Tensor ranking_loss_fused(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k,
-                              const at::Tensor& seq_idx, const at::Tensor& valid, const at::Tensor& cand) {
+                              const at::Tensor& seq_idx, const at::Tensor& valid, const at::Tensor& cand,
+                              const at::Tensor& rows) {
   at::Tensor seq;
-  const Dims d = check_inputs(scores, q, k, seq_idx, valid, cand, &seq);
-  if (!scores.is_cuda()) return ranking_loss_reference(scores, q, k, seq_idx, valid, cand);
-  Inputs in{d, last_dim_contiguous(q.detach()), last_dim_contiguous(k.detach()), seq,
-            valid.defined() ? valid.contiguous() : valid, cand.contiguous()};
+  const Dims d = check_inputs(scores, q, k, seq_idx, valid, cand, rows, &seq);
+  if (!scores.is_cuda()) return ranking_loss_reference(scores, q, k, seq_idx, valid, cand, rows);
+  Inputs in{d,
+            last_dim_contiguous(q.detach()),
+            last_dim_contiguous(k.detach()),
+            seq,
+            valid.defined() ? valid.contiguous() : valid,
+            cand.contiguous(),
+            rows.defined() ? rows.contiguous() : rows};
   return RankingLossFunction::apply(scores, in)[0];
 }
 

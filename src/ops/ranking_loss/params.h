@@ -23,10 +23,13 @@ struct RankingLossParams {
   const int32_t* seq_idx = nullptr; // (B, L) non-decreasing sequence numbers, or null (one sequence)
   const bool* valid = nullptr;      // (B, L) real tokens, or null (all real)
   const int64_t* cand = nullptr;    // (B, C) distinct positions in [0, L) (others are read as absent)
+  const bool* rows = nullptr;       // (B) rows that count, or null (all): a false row adds no loss and
+                                    // gets dx = 0; the loss divides by R C C H, R = its true rows
+                                    // (counted on the device)
   float* y = nullptr;               // scratch (B, C, H): the targets' sums
   float* partial = nullptr;         // scratch (B * H * ranking_loss_tiles(C)): per-block loss sums
-  float* dx = nullptr;              // out (B, C, H): d loss / d x (saved for the backward)
-  void* loss = nullptr;             // out (): the mean loss, dtype `score_dtype`
+  float* dx = nullptr;              // out (B, C, H): d loss / d x (saved for the backward), 0 on false rows
+  void* loss = nullptr;             // out (): the loss (the mean over the true rows), dtype `score_dtype`
 };
 
 // Gradient parameters: the forward's sizes and saved dx, the incoming gradient.

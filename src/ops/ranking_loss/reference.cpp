@@ -6,7 +6,8 @@
 namespace hax::ops {
 
 at::Tensor ranking_loss_reference(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k,
-                                  const at::Tensor& seq_idx, const at::Tensor& valid, const at::Tensor& cand) {
+                                  const at::Tensor& seq_idx, const at::Tensor& valid, const at::Tensor& cand,
+                                  const at::Tensor& rows) {
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), N = q.size(3), C = cand.size(1);
   at::Tensor x = scores.gather(1, cand.unsqueeze(-1).expand({B, C, H}));  // (B, C, H) predicted
   at::Tensor y;
@@ -27,7 +28,15 @@ at::Tensor ranking_loss_reference(const at::Tensor& scores, const at::Tensor& q,
   at::Tensor logits = x.unsqueeze(2) - x.unsqueeze(1);  // (B, C, C, H): x_a - x_b
   at::Tensor ya = y.unsqueeze(2), yb = y.unsqueeze(1);
   at::Tensor target = ((ya > yb).to(x.scalar_type()) + (ya >= yb).to(x.scalar_type())) / 2;
-  return at::binary_cross_entropy_with_logits(logits, target);
+  if (!rows.defined()) return at::binary_cross_entropy_with_logits(logits, target);  // mean over (B, C, C, H)
+  // With rows: each term weighted by B / R on a true row and 0 on a false one, R = max(number of
+  // true rows, 1); the mean over (B, C, C, H) of the weighted terms is then
+  // Σ_{b: rows[b]} Σ_{a, c, h} ℓ / (R C C H), and 0 (zero gradient) when no row is true. With
+  // every row true the weights are exactly 1 (B / B): the unweighted mean, bit for bit.
+  const at::Tensor r = rows.to(x.device(), at::kBool);
+  const at::Tensor count = r.sum().clamp_min(1).to(x.scalar_type());           // () R, at least 1
+  const at::Tensor weight = (r.to(x.scalar_type()) * (double)B / count).view({B, 1, 1, 1});  // (B, 1, 1, 1)
+  return at::binary_cross_entropy_with_logits(logits, target, weight);
 }
 
 }  // namespace hax::ops
