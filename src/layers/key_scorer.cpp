@@ -182,14 +182,16 @@ at::Tensor ranking_loss(const at::Tensor& scores, const at::Tensor& q, const at:
   const int64_t B = q.size(0), L = q.size(1);
   const at::Tensor& vh = valid_host.defined() ? valid_host : valid;
   const at::Tensor cand = ranking_candidates(vh, B, L, candidates, seed);
-  // Rows without a valid position (padding rows) are left out of the mean.
-  at::Tensor rows;
-  if (vh.defined()) {
-    const at::Tensor any_host = vh.to(at::kCPU).to(at::kBool).any(1);
-    if (!any_host.all().item<bool>()) rows = any_host.to(scores.device(), /*non_blocking=*/true);
-  }
   // Not waiting for the copy: the source is staged at once (a blocking copy would wait for the GPU).
-  return ranking_loss_of(scores, q, k, seq_idx, valid, cand.to(scores.device(), /*non_blocking=*/true), rows);
+  return ranking_loss_of(scores, q, k, seq_idx, valid, cand.to(scores.device(), /*non_blocking=*/true),
+                         ranking_rows(valid, valid_host, false));
+}
+
+at::Tensor ranking_rows(const at::Tensor& valid, const at::Tensor& valid_host, bool always) {
+  if (!valid.defined()) return {};
+  const at::Tensor& vh = valid_host.defined() ? valid_host : valid;
+  if (!always && vh.to(at::kCPU).to(at::kBool).any(1).all().item<bool>()) return {};
+  return valid.to(at::kBool).any(1);
 }
 
 }  // namespace hax

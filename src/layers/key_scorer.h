@@ -50,6 +50,11 @@ at::Tensor ranking_loss_at(const at::Tensor& scores, const at::Tensor& q, const 
 // 0..C-1. valid_host (B, L) bool, or undefined (all valid).
 at::Tensor ranking_candidates(const at::Tensor& valid_host, int64_t B, int64_t L, int64_t candidates, uint64_t seed);
 
+// The rows the ranking loss keeps: valid.any(1) on valid's device when some row has no valid
+// position (a padding row), or always with `always` (a captured step must fit every batch);
+// undefined (every row) otherwise. The check reads valid_host (or valid) on the host.
+at::Tensor ranking_rows(const at::Tensor& valid, const at::Tensor& valid_host, bool always);
+
 // The loss for candidates on the scores' device (0 when C < 2), rows (B) bool or undefined: the
 // rows kept in the mean (ops::ranking_loss_fused).
 at::Tensor ranking_loss_of(const at::Tensor& scores, const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,

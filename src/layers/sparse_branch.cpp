@@ -168,11 +168,7 @@ at::Tensor SparseAttentionBranch::forward(const at::Tensor& qk_in, const at::Ten
     const at::Tensor cand = host_input(ctx, make, scores.device());
     // Rows without a valid position (padding rows of a fixed-shape step) are left out of the mean;
     // while a step is captured the mask is always passed, so that the graph fits every batch.
-    at::Tensor rows;
-    if (ctx->valid.defined()) {
-      const at::Tensor& vh = ctx->valid_host.defined() ? ctx->valid_host : ctx->valid;
-      if (ctx->host_inputs || !vh.to(at::kCPU).any(1).all().item<bool>()) rows = ctx->valid.any(1);
-    }
+    const at::Tensor rows = ranking_rows(ctx->valid, ctx->valid_host, ctx->host_inputs != nullptr);
     ctx->ranking_losses.push_back(ranking_loss_of(scores, q.detach(), k.detach(), seq_idx, ctx->valid, cand, rows));
   }
   return out.reshape({B, L, v_dim_}) * E;
