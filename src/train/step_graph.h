@@ -3,8 +3,8 @@
 // step of the paper's joint-recall models).
 //
 // A graph needs fixed shapes and fixed addresses, so each step's batch is padded (pad_batch) to
-// capacities: rows, positions per row and supervised positions, each the largest seen so far
-// plus an eighth. The padding changes neither the loss nor the gradients (every model is causal
+// capacities: the most rows seen so far, the most positions per row (rounded up to 8) and the
+// most supervised positions plus an eighth. The padding changes neither the loss nor the gradients (every model is causal
 // within a row and independent across rows; padding rows are left out of the ranking loss). A
 // batch that does not fit grows the capacities and the step is captured again. The batch and the
 // host-made inputs (LSH projections, ranking-loss candidates: layers/host_inputs.h) are copied
