@@ -218,9 +218,7 @@ TrainSummary train(const RunConfig& run) {
       }
     }
     int64_t samples_supervised = batch.supervised_samples;
-    if (values.defined()) {
-      pending.push_back({step + 1, lr, batch.num_tokens, samples_supervised, values});
-    } else if (defer) {
+    if (!values.defined() && defer) {
       ForwardContext ctx;
       ctx.seed = seed;
       opt.zero_grad();
@@ -229,6 +227,8 @@ TrainSummary train(const RunConfig& run) {
       values = device_train_step(model, params, batch, ctx, settings,
                                  [&](const at::Tensor& skip) { opt.step(lr, skip); }, step == nan_step,
                                  &samples_supervised);
+    }
+    if (values.defined()) {
       pending.push_back({step + 1, lr, batch.num_tokens, samples_supervised, values});
     } else {
       ForwardContext ctx;
