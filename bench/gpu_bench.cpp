@@ -17,17 +17,30 @@ namespace hax::bench {
 namespace {
 
 struct GpuTiming {
-  double median_ms = 0, min_ms = 0;
+  double median_ms = 0, min_ms = 0;  // per call, `calls` back-to-back calls per timed run
+  double call_ms = 0;                // median of single calls (host overhead included)
   int runs = 0;
 };
 
-GpuTiming time_gpu(const std::function<void()>& fn, int warmup, int repeats) {
+// Median and minimum over `repeats` timed runs of `calls` back-to-back calls each (per call),
+// after `warmup` untimed calls; then the median of `repeats` single calls. A call of more than
+// 2 ms is timed alone (host overhead is then negligible, and dense attention at long L is slow).
+GpuTiming time_gpu(const std::function<void()>& fn, int warmup, int repeats, int calls) {
   for (int i = 0; i < warmup; ++i) fn();
   cuda_synchronize();
-  std::vector<double> ms;
-  for (int i = 0; i < repeats; ++i) ms.push_back(cuda_elapsed_ms(fn));
-  std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.front(), (int)ms.size()};
+  if (cuda_elapsed_ms(fn, 1) > 2.0) calls = 1;
+  auto median_of = [&](int n, double* min_out) {
+    std::vector<double> ms;
+    for (int i = 0; i < repeats; ++i) ms.push_back(cuda_elapsed_ms(fn, n));
+    std::sort(ms.begin(), ms.end());
+    if (min_out) *min_out = ms.front();
+    return ms[ms.size() / 2];
+  };
+  GpuTiming t;
+  t.median_ms = median_of(calls, &t.min_ms);
+  t.call_ms = calls == 1 ? t.median_ms : median_of(1, nullptr);
+  t.runs = repeats;
+  return t;
 }
 
 // Peak GPU memory that one run of fn allocates beyond what was allocated before it.
@@ -65,12 +78,15 @@ nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg) {
   nlohmann::json report;
   report["device"] = cuda_device_name();
   report["config"] = {{"keys", cfg.keys}, {"heads", H}, {"dim", D}, {"batch", B}, {"dtype", cfg.dtype},
-                      {"warmup", cfg.warmup}, {"repeats", cfg.repeats}, {"timer", "CUDA events, median"}};
-  fmt::print("hax bench attention: {}, batch {}, {} heads, head dim {}, k = {}, {}; median of {} runs (CUDA events); "
-             "sparse times include building the pattern\n",
-             cuda_device_name(), B, H, D, cfg.keys, cfg.dtype, cfg.repeats);
-  fmt::print("{:<6} {:>7} {:>10} {:>12} {:>10} {:>12} {:>11}\n", "pattern", "L", "fwd ms", "fwd+bwd ms", "peak MB",
-             "bytes/token", "x vs sdpa");
+                      {"warmup", cfg.warmup}, {"repeats", cfg.repeats}, {"calls", cfg.calls},
+                      {"timer", "CUDA events, median over repeats of the mean of `calls` back-to-back calls"},
+                      {"backward", "a fixed random cotangent of the output"}};
+  fmt::print("hax bench attention: {}, batch {}, {} heads, head dim {}, k = {}, {}; median of {} runs of {} "
+             "back-to-back calls (CUDA events; '1 call': one call alone, host overhead included); backward of a "
+             "random cotangent; sparse times include building the pattern\n",
+             cuda_device_name(), B, H, D, cfg.keys, cfg.dtype, cfg.repeats, cfg.calls);
+  fmt::print("{:<6} {:>7} {:>10} {:>12} {:>12} {:>10} {:>12} {:>11}\n", "pattern", "L", "fwd ms", "fwd+bwd ms",
+             "1 call ms", "peak MB", "bytes/token", "x vs sdpa");
   bool dense_too_slow = false;
   for (int64_t L : cfg.lengths) {
     torch::manual_seed(0);
@@ -103,20 +119,25 @@ nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg) {
       GpuTiming tf = time_gpu([&] {
         torch::NoGradGuard ng;
         fwd(q0, k0, v0);
-      }, cfg.warmup, cfg.repeats);
+      }, cfg.warmup, cfg.repeats, cfg.calls);
       at::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
+      at::Tensor dout;  // the output's cotangent (random, fixed)
+      {
+        torch::NoGradGuard ng;
+        dout = at::randn_like(fwd(q0, k0, v0));
+      }
       auto fb = [&] {
-        fwd(q, k, v).sum().backward();
+        fwd(q, k, v).backward(dout);
         q.mutable_grad() = at::Tensor(), k.mutable_grad() = at::Tensor(), v.mutable_grad() = at::Tensor();
         if (branch) branch->zero_grad();
       };
-      GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats);
+      GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats, cfg.calls);
       const int64_t peak = gpu_peak_during(fb);
       if (pattern == "sdpa") sdpa_ms = tb.median_ms;
       if (dense && tb.median_ms > cfg.dense_max_ms / 16) dense_slow_now = true;  // the next L is 4x: 16x the work
       const double speedup = std::isnan(sdpa_ms) ? NAN : sdpa_ms / tb.median_ms;
-      fmt::print("{:<6} {:>7} {:>10.3f} {:>12.3f} {:>10.1f} {:>12.0f} {:>11}\n", pattern, L, tf.median_ms,
-                 tb.median_ms, peak / 1e6, (double)peak / L,
+      fmt::print("{:<6} {:>7} {:>10.3f} {:>12.3f} {:>12.3f} {:>10.1f} {:>12.0f} {:>11}\n", pattern, L, tf.median_ms,
+                 tb.median_ms, tb.call_ms, peak / 1e6, (double)peak / L,
                  std::isnan(speedup) ? std::string("-") : fmt::format("{:.1f}x", speedup));
       std::fflush(stdout);
       report["results"].push_back({{"pattern", pattern},
@@ -125,6 +146,8 @@ nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg) {
                                    {"fwdbwd_ms", tb.median_ms},
                                    {"fwd_min_ms", tf.min_ms},
                                    {"fwdbwd_min_ms", tb.min_ms},
+                                   {"fwd_call_ms", tf.call_ms},
+                                   {"fwdbwd_call_ms", tb.call_ms},
                                    {"peak_bytes", peak},
                                    {"peak_bytes_per_token", (double)peak / L},
                                    {"speedup_fwdbwd_vs_sdpa", std::isnan(speedup) ? nlohmann::json() : nlohmann::json(speedup)},
@@ -144,10 +167,14 @@ nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg) {
   report["device"] = cuda_device_name();
   report["config"] = {{"batch", B}, {"heads", H}, {"headdim", P}, {"d_state", N}, {"groups", G}, {"chunk", cfg.chunk},
                       {"dtype", cfg.dtype}, {"warmup", cfg.warmup}, {"repeats", cfg.repeats},
-                      {"timer", "CUDA events, median"}};
-  fmt::print("hax bench ssm: {}, Mamba-2 SSD scan, batch {}, {} heads x {}, d_state {}, {} group(s), chunk {}, {}\n",
-             cuda_device_name(), B, H, P, N, G, cfg.chunk, cfg.dtype);
-  fmt::print("{:<10} {:>7} {:>10} {:>12} {:>10} {:>12}\n", "op", "L", "fwd ms", "fwd+bwd ms", "peak MB", "bytes/token");
+                      {"calls", cfg.calls},
+                      {"timer", "CUDA events, median over repeats of the mean of `calls` back-to-back calls"},
+                      {"backward", "a fixed random cotangent of y"}};
+  fmt::print("hax bench ssm: {}, Mamba-2 SSD scan, batch {}, {} heads x {}, d_state {}, {} group(s), chunk {}, {}; "
+             "median of {} runs of {} back-to-back calls; backward of a random cotangent\n",
+             cuda_device_name(), B, H, P, N, G, cfg.chunk, cfg.dtype, cfg.repeats, cfg.calls);
+  fmt::print("{:<10} {:>7} {:>10} {:>12} {:>12} {:>10} {:>12}\n", "op", "L", "fwd ms", "fwd+bwd ms", "1 call ms",
+             "peak MB", "bytes/token");
   for (int64_t L : cfg.lengths) {
     torch::manual_seed(0);
     const auto o = at::TensorOptions().device(dev).dtype(dt);
@@ -158,18 +185,19 @@ nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg) {
     GpuTiming tf = time_gpu([&] {
       torch::NoGradGuard ng;
       ops::ssd(x, dtv, A, Bm, Cm, {}, {}, cfg.chunk);
-    }, cfg.warmup, cfg.repeats);
+    }, cfg.warmup, cfg.repeats, cfg.calls);
     std::vector<at::Tensor> leaves;
     for (const at::Tensor& t : {x, dtv, A, Bm, Cm}) leaves.push_back(t.clone().requires_grad_());
+    const at::Tensor dy = at::randn_like(x);  // y's cotangent (random, fixed); y has x's shape
     auto fb = [&] {
       auto [y, fin] = ops::ssd(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], {}, {}, cfg.chunk);
-      y.sum().backward();
+      y.backward(dy);
       for (auto& t : leaves) t.mutable_grad() = at::Tensor();
     };
-    GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats);
+    GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats, cfg.calls);
     const int64_t peak = gpu_peak_during(fb);
-    fmt::print("{:<10} {:>7} {:>10.3f} {:>12.3f} {:>10.1f} {:>12.0f}\n", "ssd", L, tf.median_ms, tb.median_ms,
-               peak / 1e6, (double)peak / L);
+    fmt::print("{:<10} {:>7} {:>10.3f} {:>12.3f} {:>12.3f} {:>10.1f} {:>12.0f}\n", "ssd", L, tf.median_ms,
+               tb.median_ms, tb.call_ms, peak / 1e6, (double)peak / L);
     std::fflush(stdout);
     report["results"].push_back({{"op", "ssd"},
                                  {"L", L},
@@ -177,6 +205,8 @@ nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg) {
                                  {"fwdbwd_ms", tb.median_ms},
                                  {"fwd_min_ms", tf.min_ms},
                                  {"fwdbwd_min_ms", tb.min_ms},
+                                 {"fwd_call_ms", tf.call_ms},
+                                 {"fwdbwd_call_ms", tb.call_ms},
                                  {"peak_bytes", peak},
                                  {"peak_bytes_per_token", (double)peak / L},
                                  {"runs", tb.runs}});

@@ -1,6 +1,12 @@
 // `hax bench attention --device cuda` and `hax bench ssm --device cuda`: GPU forward and
 // forward+backward times (CUDA events, warm-up, median of many runs) and peak GPU memory, with
 // LibTorch's dense causal scaled-dot-product attention (SDPA) timed in the same run.
+//
+// A timed run is `calls` back-to-back calls between two events (their mean), so that the host
+// enqueues the next call while the GPU runs the last one, as a training loop does; the one-call
+// latency (host overhead included) is reported beside it. forward+backward applies a fixed
+// random cotangent to the op's output (as FlashAttention's benchmarks do), so that no loss
+// reduction or expanded-gradient copy is timed with the op.
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -21,6 +27,7 @@ struct GpuAttentionBenchConfig {
   std::string dtype = "bf16";  // "bf16" or "fp32"
   int warmup = 3;            // untimed runs first
   int repeats = 20;          // timed runs (median)
+  int calls = 4;             // back-to-back calls per timed run
   double dense_max_ms = 2000;  // skip dense attention (sdpa, full) at longer L once fwd+bwd took this long
 };
 
@@ -29,6 +36,7 @@ struct GpuSsmBenchConfig {
   int64_t batch = 1, heads = 16, headdim = 64, d_state = 128, groups = 1, chunk = 64;
   std::string dtype = "bf16";
   int warmup = 3, repeats = 20;
+  int calls = 4;  // back-to-back calls per timed run
 };
 
 nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg);

@@ -13,13 +13,14 @@ namespace hax {
 
 #if defined(HAX_TORCH_CUDA)
 
-double cuda_elapsed_ms(const std::function<void()>& fn) {
+double cuda_elapsed_ms(const std::function<void()>& fn, int calls) {
+  HAX_CHECK(calls >= 1, "cuda_elapsed_ms: calls {} must be >= 1", calls);
   at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
   start.record();
-  fn();
+  for (int i = 0; i < calls; ++i) fn();
   end.record();
   end.synchronize();
-  return (double)start.elapsed_time(end);
+  return (double)start.elapsed_time(end) / calls;
 }
 
 void cuda_synchronize() { c10::cuda::device_synchronize(); }
@@ -46,7 +47,7 @@ std::string cuda_device_name() { return at::cuda::getCurrentDeviceProperties()->
 namespace {
 [[noreturn]] void no_cuda(const char* what) { fail("{}: this build of hax has no CUDA backend", what); }
 }  // namespace
-double cuda_elapsed_ms(const std::function<void()>&) { no_cuda("cuda_elapsed_ms"); }
+double cuda_elapsed_ms(const std::function<void()>&, int) { no_cuda("cuda_elapsed_ms"); }
 void cuda_synchronize() { no_cuda("cuda_synchronize"); }
 void cuda_reset_peak_memory() { no_cuda("cuda_reset_peak_memory"); }
 int64_t cuda_peak_memory_bytes() { no_cuda("cuda_peak_memory_bytes"); }

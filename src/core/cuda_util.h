@@ -7,9 +7,11 @@
 
 namespace hax {
 
-// Milliseconds between CUDA events recorded on the current stream before and after fn (which
-// enqueues GPU work); waits for the end event.
-double cuda_elapsed_ms(const std::function<void()>& fn);
+// Milliseconds between CUDA events recorded on the current stream before and after `calls`
+// back-to-back calls of fn (which enqueues GPU work), divided by `calls`; waits for the end event.
+// With calls > 1 the host enqueues the next call while the GPU runs the last, so host overhead
+// shorter than a call's GPU time is hidden (as in a training loop); calls = 1 includes it.
+double cuda_elapsed_ms(const std::function<void()>& fn, int calls = 1);
 void cuda_synchronize();
 // Peak bytes allocated by LibTorch's CUDA allocator since the last reset (current device).
 void cuda_reset_peak_memory();
