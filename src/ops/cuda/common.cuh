@@ -34,6 +34,11 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); 
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whether ptr is non-null and 16-byte aligned (16-byte vector loads and stores, cp.async).
+__host__ __device__ inline bool aligned16(const void* ptr) {
+  return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
 // Throws (the binding layer turns it into the op's error) if the last launch failed.
 inline void check_launch(const char* what) {
   cudaError_t e = cudaGetLastError();

@@ -214,6 +214,38 @@ __device__ __forceinline__ void store_rows(bf16* dst, int64_t stride, const floa
   }
 }
 
+// The same rows written through shared memory, so that global stores are whole 16-byte chunks
+// (store_rows' 2-byte stores use a quarter of each 32-byte sector they touch). `stage` is the
+// warp's own (16, DB) region of a shared tile with row stride S (no other warp may read or
+// write it meanwhile; it is overwritten). Needs ncols % 8 == 0 and 16-byte aligned dst rows
+// (stride % 8 == 0). All 32 lanes must call it.
+template <int DB, int S>
+__device__ __forceinline__ void store_rows_staged(bf16* stage, bf16* dst, int64_t stride,
+                                                  const float (&acc)[DB / 8][4], const int (&row)[2],
+                                                  const float (&mul)[2], int nrows, int ncols, int t) {
+  constexpr int kChunks = DB / 8;  // 16-byte chunks in a row
+  const int lane = lane_of(), g = lane / 4;
+  __syncwarp();  // the warp's earlier reads of `stage` are done
+#pragma unroll
+  for (int nt = 0; nt < DB / 8; ++nt) {
+    const int c = nt * 8 + 2 * t;
+    *reinterpret_cast<uint32_t*>(stage + g * S + c) = pack_bf16(acc[nt][0] * mul[0], acc[nt][1] * mul[0]);
+    *reinterpret_cast<uint32_t*>(stage + (g + 8) * S + c) = pack_bf16(acc[nt][2] * mul[1], acc[nt][3] * mul[1]);
+  }
+  __syncwarp();
+  // Lane l copies chunks l, l + 32, ...: 16 rows x kChunks, consecutive lanes along a row.
+#pragma unroll
+  for (int x = lane; x < 16 * kChunks; x += 32) {
+    const int rr = x / kChunks, c = (x % kChunks) * 8;
+    // Row rr's destination is row[rr / 8] of lanes 4 (rr % 8) .. 4 (rr % 8) + 3.
+    const int r_lo = __shfl_sync(0xffffffffu, row[0], (rr % 8) * 4);
+    const int r_hi = __shfl_sync(0xffffffffu, row[1], (rr % 8) * 4);
+    const int r = rr < 8 ? r_lo : r_hi;
+    if (r >= 0 && r < nrows && c < ncols)
+      *reinterpret_cast<uint4*>(dst + (int64_t)r * stride + c) = *reinterpret_cast<const uint4*>(stage + rr * S + c);
+  }
+}
+
 }  // namespace hax::ops::cuda::mma
 
 // Runs `body` with `constexpr int DB` = the smallest of 16, 32, 64, 128 that holds both head dims

@@ -199,14 +199,12 @@ struct TileStream {
   // Makes tile tt ready in shared memory for every thread; returns its buffer.
   __device__ int begin(int tt) {
     if constexpr (kAsync) {
+      // Tile tt has landed (this thread's copies: the wait; everyone's: the barrier), and every
+      // warp is done with tile tt - 1, so its buffer takes tile tt + 1: one barrier a tile.
       const int b = tt & 1;
-      if (tt + 1 < ntiles) {
-        stage(tt + 1, b ^ 1);  // the other buffer was last read before the previous end()
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
+      cuda::cp_async_wait<0>();
       __syncthreads();
+      if (tt + 1 < ntiles) stage(tt + 1, b ^ 1);
       return b;
     } else {
       __syncthreads();  // the previous tile is read
@@ -218,9 +216,7 @@ struct TileStream {
       return 0;
     }
   }
-  __device__ void end() {
-    if constexpr (kAsync) __syncthreads();  // the buffer is refilled by the next begin()
-  }
+  __device__ void end() {}  // (the next begin()'s barrier protects the buffer it refills)
 };
 
 template <int DB, bool kAsync>
@@ -282,7 +278,10 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
     inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;  // an empty list outputs 0
     row[r] = bs.rows[rr[r]];
   }
-  store_rows<DB>((bf16*)p.out + ((int64_t)b * z.L * z.H + h) * z.Dv, sv, o, row, inv, z.L, z.Dv, t);
+  bf16* out = (bf16*)p.out + ((int64_t)b * z.L * z.H + h) * z.Dv;
+  // 16-byte stores through the warp's own rows of sQ (only this warp reads them).
+  if (kAsync && z.vec_v && ::hax::ops::cuda::aligned16(p.out)) store_rows_staged<DB, S>(sQ + r0 * S, out, sv, o, row, inv, z.L, z.Dv, t);
+  else store_rows<DB>(out, sv, o, row, inv, z.L, z.Dv, t);
   float* lse = (float*)p.lse + bh * z.L;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -400,7 +399,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
     ts.end();
   }
   const float scale[2] = {z.scale, z.scale};
-  store_rows<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
+  // 16-byte stores through the warp's own rows of sQ (only this warp reads them).
+  if (kAsync && z.vec_qk && ::hax::ops::cuda::aligned16(gp.dq))
+    store_rows_staged<DB, S>(gb.sQ + r0 * S, (bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
+  else
+    store_rows<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
 }
 
 // dk, dv, dbias contributions of the block: per tile, keys as rows and the block's queries as

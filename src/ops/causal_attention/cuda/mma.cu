@@ -20,6 +20,7 @@
 // No atomics: each gradient entry is accumulated by one thread in a fixed order.
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "ops/causal_attention/cuda/kernels.cuh"
@@ -49,7 +50,7 @@ struct VecLoads {
   bool v = false;   // v, dout (Dv)
 };
 
-inline bool aligned16(const void* ptr) { return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+using cuda::aligned16;
 
 // kAsync (16-byte rows: head dims multiples of 8, aligned tensors): the next column tile is
 // copied with cp.async into a second buffer while the current one is computed on; otherwise each
@@ -105,13 +106,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) forward_k
     const bf16* sK = sK0 + buf * BN * S;
     const bf16* sV = sV0 + buf * BN * S;
     if constexpr (kAsync) {
-      if (kt < kt_end) {
-        issue(kt + 1, buf ^ 1);  // the other buffer was last read before the previous barrier
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
+      // Tile kt has landed (this thread's copies: the wait; everyone's: the barrier), and every
+      // warp is done with tile kt - 1, so its buffer takes tile kt + 1.
+      cuda::cp_async_wait<0>();
       __syncthreads();
+      if (kt < kt_end) issue(kt + 1, buf ^ 1);
     } else {
       __syncthreads();  // the previous tile's sK, sV are read
       load_rows_bf16(sK0, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
@@ -139,7 +138,6 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) forward_k
       online_softmax_step<NT, DT>(s, mx, m, l, o);
       warp_accumulate<DB, NT, S>(o, s, sV, live);
     }
-    if constexpr (kAsync) __syncthreads();  // this buffer is refilled by the next iteration's issue
   }
 
   float inv[2];
@@ -148,7 +146,9 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) forward_k
     l[r] = sum4(l[r]);
     inv[r] = 1.f / l[r];
   }
-  store_rows<DB>((bf16*)p.out + off_v, sv, o, row, inv, L, dm.Dv, t);
+  // 16-byte stores through the warp's own rows of sQ (which only this warp reads).
+  if constexpr (kAsync) store_rows_staged<DB, S>(sQ + r0 * S, (bf16*)p.out + off_v, sv, o, row, inv, L, dm.Dv, t);
+  else store_rows<DB>((bf16*)p.out + off_v, sv, o, row, inv, L, dm.Dv, t);
   float* lse = (float*)p.lse + (int64_t)bh * L;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -202,6 +202,46 @@ __device__ __forceinline__ void block_delta(float* sDl, float* delta, const bf16
   }
 }
 
+// The same Δ for the asynchronous path, in two halves: `load` issues the block's O rows as
+// 16-byte chunks into registers (before the tiles' copies are waited for, so the two latencies
+// overlap), `finish` (after sdO has landed) forms the dot products, reduced over the threads of a
+// row (consecutive threads take consecutive chunks of a row: whole 32-byte sectors). Needs
+// Dv % 8 == 0 and 16-byte aligned rows.
+template <int DB, int S>
+struct BlockDelta {
+  static constexpr int kCh = DB / 8, kPer = kRows * kCh / kThreads;  // chunks a row, chunks a thread
+  static_assert(kPer >= 1 && kCh <= 32, "BlockDelta: a row's chunks lie within one warp");
+  uint4 o[kPer];
+
+  __device__ __forceinline__ void load(const bf16* out, int64_t sv, int i0, const Dims& dm) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int x = threadIdx.x + k * kThreads, rr = x / kCh, c = (x % kCh) * 8, i = i0 + rr;
+      o[k] = i < dm.L && c < dm.Dv ? *reinterpret_cast<const uint4*>(out + (int64_t)i * sv + c) : make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  __device__ __forceinline__ void finish(float* sDl, float* delta, const bf16* sdO, const float* dlse, int i0,
+                                         const Dims& dm) const {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int x = threadIdx.x + k * kThreads, rr = x / kCh, c = (x % kCh) * 8, i = i0 + rr;
+      const bf16* ov = reinterpret_cast<const bf16*>(&o[k]);
+      const bf16* gv = sdO + rr * S + c;  // zeros past L and past Dv
+      float part = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) part += __bfloat162float(ov[e]) * __bfloat162float(gv[e]);
+#pragma unroll
+      for (int off = kCh / 2; off >= 1; off /= 2) part += __shfl_xor_sync(0xffffffffu, part, off);
+      if (c == 0) {
+        const float dl = i < dm.L ? part - (dlse ? dlse[i] : 0.f) : 0.f;
+        sDl[rr] = dl;
+        if (i < dm.L) delta[i] = dl;
+      }
+    }
+  }
+};
+
 template <int DB, bool kAsync>
 __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec) {
   using Cfg = DqCfg<DB, kAsync>;
@@ -233,20 +273,27 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel
     cuda::async_tile<S, BN, DB, kThreads>(sV0 + b * BN * S, v, sv, j0, L, dm.Dv);
     cuda::cp_async_commit();
   };
+  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
+  float lse_row[2];  // lse of the thread's rows, loaded first: its latency overlaps the tile copies'
+#pragma unroll
+  for (int r = 0; r < 2; ++r) lse_row[r] = row[r] < L ? lse[row[r]] : 0.f;
   if constexpr (kAsync) {
+    BlockDelta<DB, S> bd;
+    bd.load((const bf16*)p.out + off_v, sv, i0, dm);
     cuda::async_tile<S, kRows, DB, kThreads>(sQ, q, sqk, i0, L, dm.D);
     cuda::async_tile<S, kRows, DB, kThreads>(sdO, dout, sv, i0, L, dm.Dv);
     issue(kt_begin, 0);
     cuda::cp_async_wait<0>();  // sdO for Δ (the first key tile comes with it)
+    __syncthreads();
+    bd.finish(sDl, delta, sdO, dlse, i0, dm);
   } else {
     load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
     load_rows_bf16(sdO, S, dout, sv, i0, kRows, L, dm.Dv, DB, vec.v);
+    __syncthreads();
+    block_delta<DB, S>(sDl, delta, sdO, (const bf16*)p.out + off_v, sv, dlse, i0, dm, vec.v);
   }
   __syncthreads();
-  block_delta<DB, S>(sDl, delta, sdO, (const bf16*)p.out + off_v, sv, dlse, i0, dm, vec.v);
-  __syncthreads();
 
-  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
   int lo[2], hi[2];
   float lse2[2], dl[2];  // lse in base 2 and Δ of the two rows
 #pragma unroll
@@ -254,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel
     const bool in = row[r] < L;
     lo[r] = in ? first_key(seq, dm.W, row[r]) : INT_MAX;
     hi[r] = in ? row[r] : -1;
-    lse2[r] = in ? lse[row[r]] * kLog2e : 0.f;
+    lse2[r] = lse_row[r] * kLog2e;
     dl[r] = sDl[r0 + g + 8 * r];
   }
 
@@ -263,14 +310,10 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel
     const int j0 = kt * BN, buf = kAsync ? (kt - kt_begin) & 1 : 0;
     const bf16* sK = sK0 + buf * BN * S;
     const bf16* sV = sV0 + buf * BN * S;
-    if constexpr (kAsync) {
-      if (kt < kt_end) {
-        issue(kt + 1, buf ^ 1);
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
+    if constexpr (kAsync) {  // as in forward_kernel: one barrier a tile
+      cuda::cp_async_wait<0>();
       __syncthreads();
+      if (kt < kt_end) issue(kt + 1, buf ^ 1);
     } else {
       __syncthreads();
       load_rows_bf16(sK0, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
@@ -301,10 +344,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) dq_kernel
       else grads(std::true_type{});
       warp_accumulate<DB, NT, S>(acc, s, sKs, live);  // dQ += dS K
     }
-    if constexpr (kAsync) __syncthreads();
   }
   const float scale[2] = {(float)p.scale, (float)p.scale};
-  store_rows<DB>((bf16*)gp.dq + off_qk, sqk, acc, row, scale, L, dm.D, t);
+  // 16-byte stores through the warp's own rows of sQ (read by this warp only since Δ).
+  if constexpr (kAsync) store_rows_staged<DB, S>(sQ + r0 * S, (bf16*)gp.dq + off_qk, sqk, acc, row, scale, L, dm.D, t);
+  else store_rows<DB>((bf16*)gp.dq + off_qk, sqk, acc, row, scale, L, dm.D, t);
 }
 
 template <int DB, bool kAsync>
@@ -383,14 +427,10 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   float dk[DT][4] = {}, dv[DT][4] = {};
   for (int qt = qt_begin; qt <= qt_end; ++qt) {
     const int i0 = qt * BN, buf = kAsync ? (qt - qt_begin) & 1 : 0;
-    if constexpr (kAsync) {
-      if (qt < qt_end) {
-        stage(qt + 1, buf ^ 1);
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
+    if constexpr (kAsync) {  // as in forward_kernel: one barrier a tile
+      cuda::cp_async_wait<0>();
       __syncthreads();
+      if (qt < qt_end) stage(qt + 1, buf ^ 1);
     } else {
       __syncthreads();  // the previous tile's sQ, sdO, sLse, sDl are read
       stage(qt, 0);
@@ -425,17 +465,24 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       warp_accumulate<DB, NT, S>(dv, st, sdO, live);  // dV += P^T dO
       warp_accumulate<DB, NT, S>(dk, dpt, sQ, live);  // dK += dS^T Q
     }
-    if constexpr (kAsync) __syncthreads();
   }
   const float scale[2] = {(float)p.scale, (float)p.scale}, one[2] = {1.f, 1.f};
-  store_rows<DB>((bf16*)gp.dk + off_qk, sqk, dk, row, scale, L, dm.D, t);
-  store_rows<DB>((bf16*)gp.dv + off_v, sv, dv, row, one, L, dm.Dv, t);
+  if constexpr (kAsync) {  // 16-byte stores through the warp's own rows of sK and sV
+    store_rows_staged<DB, S>(sK + r0 * S, (bf16*)gp.dk + off_qk, sqk, dk, row, scale, L, dm.D, t);
+    store_rows_staged<DB, S>(sV + r0 * S, (bf16*)gp.dv + off_v, sv, dv, row, one, L, dm.Dv, t);
+  } else {
+    store_rows<DB>((bf16*)gp.dk + off_qk, sqk, dk, row, scale, L, dm.D, t);
+    store_rows<DB>((bf16*)gp.dv + off_v, sv, dv, row, one, L, dm.Dv, t);
+  }
 }
 
-VecLoads vec_loads(const CausalAttentionParams& p, const void* dout) {
+// The forward passes its output, the backward its cotangent and gradients (all written or read
+// 16 bytes at a time on the asynchronous path).
+VecLoads vec_loads(const CausalAttentionParams& p, std::initializer_list<const void*> more) {
   VecLoads vec;
   vec.qk = p.dim % 8 == 0 && aligned16(p.q) && aligned16(p.k);
-  vec.v = p.vdim % 8 == 0 && aligned16(p.v) && (dout == nullptr || aligned16(dout));
+  vec.v = p.vdim % 8 == 0 && aligned16(p.v);
+  for (const void* ptr : more) vec.v = vec.v && aligned16(ptr);
   return vec;
 }
 
@@ -444,7 +491,7 @@ VecLoads vec_loads(const CausalAttentionParams& p, const void* dout) {
 void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
   const Dims dm = make_dims(p, kRows);
   const unsigned grid = grid_size(dm);
-  const VecLoads vec = vec_loads(p, nullptr);
+  const VecLoads vec = vec_loads(p, {p.out});
   HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
     auto launch = [&](auto async) {
       constexpr bool kA = decltype(async)::value;
@@ -461,7 +508,7 @@ void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
 void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
   const Dims dm = make_dims(gp.fwd, kRows);
   const unsigned grid = grid_size(dm);
-  const VecLoads vec = vec_loads(gp.fwd, gp.dout);
+  const VecLoads vec = vec_loads(gp.fwd, {gp.fwd.out, gp.dout, gp.dq, gp.dk, gp.dv});
   HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
     auto launch = [&](auto async) {
       constexpr bool kA = decltype(async)::value;
