@@ -116,7 +116,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(SsdParams p, S
     __syncthreads();
   }
   float* out = w.cb + (int64_t)blockIdx.x * kT * kT;
-  for_each([&](int mi, int ni, int r, int i, int j, int, int) { out[i * kT + j] = acc.v[mi][ni][r]; });
+  for_each_pair([&](int mi, int ni, int rp, int i, int j) {
+    store_pair(out + i * kT + j, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], true, true, true);
+  });
 }
 
 // Local states of the sub-chunks, (N, P) per (row, head, sub-chunk):
@@ -170,8 +172,10 @@ __global__ void __launch_bounds__(kThreads, kMinLocal) local_state_kernel(SsdPar
   acc.zero();
   mma_split_a(acc, sA, sL, sB, ks);
   float* o = out + (bh * S + s) * N * P;
-  for_each([&](int mi, int ni, int r, int n, int q, int, int) {
-    if (n0 + n < N && p0 + q < P) o[(n0 + n) * P + p0 + q] = acc.v[mi][ni][r];
+  for_each_pair([&](int mi, int ni, int rp, int n, int q) {
+    const bool ok0 = n0 + n < N && p0 + q < P, ok1 = ok0 && p0 + q + 1 < P;
+    store_pair(o + (n0 + n) * P + p0 + q, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1,
+               ok1 && P % 2 == 0 && reinterpret_cast<uintptr_t>(o) % 8 == 0);
   });
 }
 

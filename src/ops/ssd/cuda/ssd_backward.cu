@@ -232,7 +232,9 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
       row_terms(p, w, kIntra, (b * H + h) * S + s)[threadIdx.x] = rowT[threadIdx.x] - colT[threadIdx.x];
   }
   float* out = w.dcb + (int64_t)blockIdx.x * kT * kT;
-  for_each([&](int mi, int ni, int r, int i, int j, int, int) { out[i * kT + j] = dcb.v[mi][ni][r]; });
+  for_each_pair([&](int mi, int ni, int rp, int i, int j) {
+    store_pair(out + i * kT + j, dcb.v[mi][ni][2 * rp], dcb.v[mi][ni][2 * rp + 1], true, true, true);
+  });
 }
 
 // dB (blockIdx.z = 0) or dC (1) of one (row, group, sub-chunk) and 64 columns of N:
@@ -311,8 +313,10 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
   __syncthreads();
   mma_split_a(acc, sA, sL, sB, ks);
   T* out = (T*)(is_dc ? gp.dC : gp.dB) + ((b * p.seqlen + u.t0) * G + g) * N + n0;
-  for_each([&](int mi, int ni, int r, int i, int n, int, int) {
-    if (i < u.len && n0 + n < N) out[i * ldn + n] = from_f32<T>(acc.v[mi][ni][r]);
+  const bool pairs = kVec && reinterpret_cast<uintptr_t>(out) % 4 == 0;  // N even: every pair is aligned too
+  for_each_pair([&](int mi, int ni, int rp, int i, int n) {
+    const bool ok0 = i < u.len && n0 + n < N, ok1 = ok0 && n0 + n + 1 < N;
+    store_pair(out + i * ldn + n, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1, ok1 && pairs);
   });
 }
 

@@ -93,8 +93,10 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
   __syncthreads();
   mma_split_a(acc, sA, sL, sB, ks);
   T* y = (T*)p.y + ((b * p.seqlen + u.t0) * H + h) * P + p0;
-  for_each([&](int mi, int ni, int r, int i, int q, int, int) {
-    if (i < u.len && p0 + q < P) y[i * H * P + q] = from_f32<T>(acc.v[mi][ni][r]);
+  const bool pairs = kVec && reinterpret_cast<uintptr_t>(y) % 4 == 0;  // P even: every pair is aligned too
+  for_each_pair([&](int mi, int ni, int rp, int i, int q) {
+    const bool ok0 = i < u.len && p0 + q < P, ok1 = ok0 && p0 + q + 1 < P;
+    store_pair(y + i * H * P + q, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1, ok1 && pairs);
   });
 }
 

@@ -26,6 +26,7 @@
 // bits instead of 8, so the products are as accurate as float32 accumulation allows and the
 // results' error is that of the output rounding.
 #pragma once
+#include <type_traits>
 #include "ops/cuda/common.cuh"
 
 namespace hax::ops::ssd_cuda {
@@ -115,6 +116,36 @@ __device__ __forceinline__ void for_each(F&& f) {
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
       for (int r = 0; r < 4; ++r) f(mi, ni, r, acc_row(mi, r), acc_col(ni, r), mi * 2 + (r >> 1), ni * 2 + (r & 1));
+}
+
+// Calls f(mi, ni, rp, row, col) for each of the thread's 16 pairs of horizontally adjacent
+// elements: acc.v[mi][ni][2 rp] at (row, col) and acc.v[mi][ni][2 rp + 1] at (row, col + 1), col even.
+template <class F>
+__device__ __forceinline__ void for_each_pair(F&& f) {
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int rp = 0; rp < 2; ++rp) f(mi, ni, rp, acc_row(mi, 2 * rp), acc_col(ni, 2 * rp));
+}
+
+// Stores a pair of adjacent entries dst[0] = a (if ok0), dst[1] = b (if ok1). `wide`: both are
+// in range and dst is aligned to the pair, so one 8-byte (float32) or 4-byte (bfloat16) store
+// writes both: a warp's store then covers whole 32-byte sectors of its rows (float32), where
+// element stores used half of each.
+template <class T>
+__device__ __forceinline__ void store_pair(T* dst, float a, float b, bool ok0, bool ok1, bool wide) {
+  if (wide) {
+    if constexpr (std::is_same_v<T, float>) {
+      *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+    }
+    return;
+  }
+  if (ok0) dst[0] = from_f32<T>(a);
+  if (ok1) dst[1] = from_f32<T>(b);
 }
 
 __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
