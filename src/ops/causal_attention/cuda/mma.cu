@@ -18,6 +18,14 @@
 // dK, dV: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, over query sub-tiles of 32
 //   (the two float32 accumulators of 16 x DB leave room for little more in registers).
 // No atomics: each gradient entry is accumulated by one thread in a fixed order.
+//
+// Memory access (16-byte rows, the kAsync path): column tiles are double-buffered by cp.async
+// with one barrier per tile (after the wait; the next tile is then issued into the buffer every
+// warp has finished with); each warp writes its output rows through its own rows of a shared
+// tile (store_rows_staged), so that global stores are whole 16-byte chunks. A block lives for
+// only a few tiles with a window, so its first copies are not hidden; ncu on the H100 shows the
+// kernels bound by latency (ldmatrix -> mma, 4 warps a scheduler). BENCHMARKS.md, eighth pass,
+// also records a streaming design (blocks over strips of tiles) that measured slower.
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
