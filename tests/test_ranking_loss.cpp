@@ -384,6 +384,19 @@ std::pair<double, at::Tensor> run_gpu(const Inputs& g, double w) {
   return {loss.item<double>(), g.scores.grad().to(at::kCPU, at::kDouble)};
 }
 
+// The CPU op on `in` (float32) against the GPU op on its copy (strided q, k if asked), loss and
+// gradient to float32 precision, with cotangent 0.7; returns the GPU's loss and gradient.
+std::pair<double, at::Tensor> expect_gpu_matches_cpu(Inputs& in, bool strided) {
+  at::Tensor ref = loss_of(in);
+  (ref * 0.7).backward();
+  const at::Tensor ref_grad = in.scores.grad().to(at::kDouble);
+  const auto [loss, grad] = run_gpu(to_gpu(in, at::kFloat, at::kFloat, strided), 0.7);
+  EXPECT_LE(std::abs(loss - ref.item<double>()), 1e-5 * std::abs(ref.item<double>()));
+  const double atol = 1e-5 * std::max(1e-30, ref_grad.abs().max().item<double>());
+  EXPECT_LE(rel_err(grad, ref_grad, atol, 1e-5), 1.0);  // NaN (an unwritten entry) fails too
+  return {loss, grad};
+}
+
 }  // namespace
 
 TEST(RankingLossCuda, MatchesCpuFloat32) {
@@ -395,13 +408,7 @@ TEST(RankingLossCuda, MatchesCpuFloat32) {
     for (bool strided : {false, true}) {
       SCOPED_TRACE("B, L, H, N, C = " + name_of(s) + (strided ? " strided q, k" : ""));
       Inputs in = make_inputs(s, at::kFloat);
-      at::Tensor ref = loss_of(in);
-      (ref * 0.7).backward();
-      const at::Tensor ref_grad = in.scores.grad().to(at::kDouble);
-      const auto [loss, grad] = run_gpu(to_gpu(in, at::kFloat, at::kFloat, strided), 0.7);
-      EXPECT_LE(std::abs(loss - ref.item<double>()), 1e-5 * std::abs(ref.item<double>()));
-      const double atol = 1e-5 * std::max(1e-30, ref_grad.abs().max().item<double>());
-      EXPECT_LE(rel_err(grad, ref_grad, atol, 1e-5), 1.0);  // NaN (an unwritten entry) fails too
+      expect_gpu_matches_cpu(in, strided);
     }
 }
 
@@ -451,13 +458,7 @@ TEST(RankingLossCuda, RowMaskMatchesCpuFloat32) {
       ASSERT_EQ((int64_t)mask.size(), s.B);
       Inputs in = make_inputs(s, at::kFloat);
       in.rows = row_mask(mask);
-      at::Tensor ref = loss_of(in);
-      (ref * 0.7).backward();
-      const at::Tensor ref_grad = in.scores.grad().to(at::kDouble);
-      const auto [loss, grad] = run_gpu(to_gpu(in, at::kFloat, at::kFloat, strided), 0.7);
-      EXPECT_LE(std::abs(loss - ref.item<double>()), 1e-5 * std::abs(ref.item<double>()));
-      const double atol = 1e-5 * std::max(1e-30, ref_grad.abs().max().item<double>());
-      EXPECT_LE(rel_err(grad, ref_grad, atol, 1e-5), 1.0);  // NaN (an unwritten entry) fails too
+      const auto [loss, grad] = expect_gpu_matches_cpu(in, strided);
       for (int64_t b = 0; b < s.B; ++b)
         if (!mask[b]) {
           EXPECT_EQ(grad[b].abs().max().item<double>(), 0.0) << "row " << b << " is masked out";

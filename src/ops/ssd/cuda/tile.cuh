@@ -106,18 +106,6 @@ __device__ __forceinline__ int acc_row(int mi, int r) {
 }
 __device__ __forceinline__ int acc_col(int ni, int r) { return warp_n() * 32 + ni * 8 + (lane_id() & 3) * 2 + (r & 1); }
 
-// Calls f(mi, ni, r, row, col, rslot, cslot) for each of the thread's 32 elements; rslot (0..3)
-// numbers the thread's 4 rows and cslot (0..7) its 8 columns (for per-thread row/column sums).
-template <class F>
-__device__ __forceinline__ void for_each(F&& f) {
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) f(mi, ni, r, acc_row(mi, r), acc_col(ni, r), mi * 2 + (r >> 1), ni * 2 + (r & 1));
-}
-
 // Calls f(mi, ni, rp, row, col) for each of the thread's 16 pairs of horizontally adjacent
 // elements: acc.v[mi][ni][2 rp] at (row, col) and acc.v[mi][ni][2 rp + 1] at (row, col + 1), col even.
 template <class F>
@@ -128,6 +116,17 @@ __device__ __forceinline__ void for_each_pair(F&& f) {
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
       for (int rp = 0; rp < 2; ++rp) f(mi, ni, rp, acc_row(mi, 2 * rp), acc_col(ni, 2 * rp));
+}
+
+// Calls f(mi, ni, r, row, col, rslot, cslot) for each of the thread's 32 elements (the pairs of
+// for_each_pair, in the same order); rslot (0..3) numbers the thread's 4 rows and cslot (0..7)
+// its 8 columns (for per-thread row/column sums).
+template <class F>
+__device__ __forceinline__ void for_each(F&& f) {
+  for_each_pair([&](int mi, int ni, int rp, int row, int col) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) f(mi, ni, 2 * rp + e, row, col + e, mi * 2 + rp, ni * 2 + e);
+  });
 }
 
 // Stores a pair of adjacent entries dst[0] = a (if ok0), dst[1] = b (if ok1). `wide`: both are
