@@ -20,6 +20,7 @@ struct GpuTiming {
   double median_ms = 0, min_ms = 0;  // per call, `calls` back-to-back calls per timed run
   double call_ms = 0;                // median of single calls (host overhead included)
   int runs = 0;
+  int calls = 1;                     // back-to-back calls per timed run (1 for calls over 2 ms)
 };
 
 // Median and minimum over `repeats` timed runs of `calls` back-to-back calls each (per call),
@@ -40,6 +41,7 @@ GpuTiming time_gpu(const std::function<void()>& fn, int warmup, int repeats, int
   t.median_ms = median_of(calls, &t.min_ms);
   t.call_ms = calls == 1 ? t.median_ms : median_of(1, nullptr);
   t.runs = repeats;
+  t.calls = calls;
   return t;
 }
 
@@ -148,6 +150,8 @@ nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg) {
                                    {"fwdbwd_min_ms", tb.min_ms},
                                    {"fwd_call_ms", tf.call_ms},
                                    {"fwdbwd_call_ms", tb.call_ms},
+                                   {"fwd_calls", tf.calls},
+                                   {"fwdbwd_calls", tb.calls},
                                    {"peak_bytes", peak},
                                    {"peak_bytes_per_token", (double)peak / L},
                                    {"speedup_fwdbwd_vs_sdpa", std::isnan(speedup) ? nlohmann::json() : nlohmann::json(speedup)},
@@ -207,6 +211,8 @@ nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg) {
                                  {"fwdbwd_min_ms", tb.min_ms},
                                  {"fwd_call_ms", tf.call_ms},
                                  {"fwdbwd_call_ms", tb.call_ms},
+                                 {"fwd_calls", tf.calls},
+                                 {"fwdbwd_calls", tb.calls},
                                  {"peak_bytes", peak},
                                  {"peak_bytes_per_token", (double)peak / L},
                                  {"runs", tb.runs}});

@@ -44,8 +44,8 @@ Command add_bench_command(CLI::App& app) {
                   "default, lengths 4k..256k unless --lengths is given");
   ssm->add_option("--dtype", st->gpu.dtype, "GPU runs: bf16 or fp32");
   ssm->add_option("--gpu-heads", st->gpu.heads, "GPU runs: heads of the SSD scan");
-  ssm->add_option("--calls", st->gpu.calls, "GPU runs: back-to-back calls per timed run (>= 1)")
-      ->check(CLI::PositiveNumber);
+  ssm->add_option("--calls", st->gpu.calls, "GPU runs: back-to-back calls per timed run (1..1000)")
+      ->check(CLI::Range(1, 1000));
   add_threads_option(ssm, &st->threads);
   auto* attn = sub->add_subcommand("attention",
                                    "every sparse pattern (pattern building included) beside full causal attention: "
@@ -69,8 +69,8 @@ Command add_bench_command(CLI::App& app) {
                    "cpu, or cuda: batch 1, --heads (16 on GPU unless given) x head dim --dims (64), bf16, lengths "
                    "4k..256k unless --lengths is given, beside LibTorch's dense causal SDPA");
   attn->add_option("--dtype", at_st->gpu.dtype, "GPU runs: bf16 or fp32");
-  attn->add_option("--calls", at_st->gpu.calls, "GPU runs: back-to-back calls per timed run (>= 1)")
-      ->check(CLI::PositiveNumber);
+  attn->add_option("--calls", at_st->gpu.calls, "GPU runs: back-to-back calls per timed run (1..1000)")
+      ->check(CLI::Range(1, 1000));
   add_threads_option(attn, &at_st->threads);
   Command c;
   c.app = sub;
