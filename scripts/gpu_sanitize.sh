@@ -2,7 +2,8 @@
 # compute-sanitizer over the GPU tests, as recorded in BENCHMARKS.md (sixth pass). Needs a CUDA
 # build (cmake -S . -B build-d -G Ninja -DCMAKE_BUILD_TYPE=Release -DHAX_CUDA=ON) and a GPU.
 #   memcheck:  every GPU test except the long ones (L = 65537 and *Long*), in two runs:
-#              the op tests (about 1.5 min on an H100) and the model and training tests (about 3 min)
+#              the op tests (about 1.5 min on an H100) and the model, training and step-graph tests
+#              (about 3 min, plus over 6 min for the two step-graph tests: the first alone took 2.5)
 #   racecheck: 21 small tests that together launch every kernel file using shared memory
 #              (about 1.5 min). racecheck runs about 100 times slower than a plain run, so the
 #              larger tests do not fit.
@@ -13,8 +14,8 @@ cd "$(dirname "$0")/.."
 T="${1:-build-d}/tests/hax_tests"
 [ -x "$T" ] || { echo "gpu_sanitize.sh: $T not found; build with -DHAX_CUDA=ON first" >&2; exit 2; }
 CS="compute-sanitizer --error-exitcode 1"
-OPS='*Cuda*:*CUDA*:-*65537*:*Long*:CudaModels.*:CudaTrain.*'
-MODELS='CudaModels.*:CudaTrain.*'
+OPS='*Cuda*:*CUDA*:-*65537*:*Long*:CudaModels.*:CudaTrain.*:CudaStepGraph.*'
+MODELS='CudaModels.*:CudaTrain.*:CudaStepGraph.*'
 SMALL='SparseAttentionCuda.AnyHeadDimUpTo128:SparseAttentionCuda.LongListsUseTheWorkspace'
 SMALL+=':SparseAttentionCuda.TilePathSmallInstance:CausalAttentionCuda.WithoutLseCotangent'
 SMALL+=':CausalAttentionCuda.GradientsAreBitIdenticalAcrossRuns:Conv1dCuda.OtherWidthsAndShortRows'

@@ -8,7 +8,8 @@ Make the input with (the kernel profiled with the full set, which samples warp s
 
 Usage: ncu_sass_summary.py NAME-sass.csv [TOP]
 Prints the stall reasons over all samples, the TOP instructions by samples (with each one's main
-stall reason), and the executed-instruction mix by opcode."""
+stall reason), the instructions that carry each of the four main stall reasons most (with the
+instruction before them, usually the one waited for), and the executed-instruction mix by opcode."""
 import collections
 import csv
 import sys
@@ -44,6 +45,14 @@ def main():
         main_stall = max(stalls, key=lambda s: num(r, s)) if stalls else "-"
         print(f"  {num(r, 'Warp Stall Sampling (All Samples)'):8d}  {r[ix['Address']][-5:]}  "
               f"{r[ix['Source']].strip()[:60]:60s} {main_stall}")
+
+    for s, _ in totals.most_common(4):
+        print(f"\ntop {min(top, 10)} instructions by {s} (and the instruction before each):")
+        ranked = sorted(range(len(data)), key=lambda i: -num(data[i], s))[:min(top, 10)]
+        for i in ranked:
+            before = data[i - 1][ix["Source"]].strip()[:44] if i > 0 else ""
+            print(f"  {num(data[i], s):8d}  {data[i][ix['Address']][-5:]}  "
+                  f"{data[i][ix['Source']].strip()[:52]:52s} <- {before}")
 
     mix = collections.Counter()
     for r in data:
