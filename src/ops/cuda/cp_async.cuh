@@ -25,10 +25,12 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 8 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N of this thread's committed groups are still in flight.
+// Waits until at most N of this thread's committed groups are still in flight. The "memory"
+// clobber keeps the compiler from sinking loads written before the wait (say a row's lse) past
+// it, which would add their latency to the copies' instead of overlapping the two.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Issues the copies of rows pos(r), r < nrows, of a bfloat16 (positions, stride) array into the

@@ -166,16 +166,17 @@ __device__ __forceinline__ float sum4(float v) {
 }
 
 // One online-softmax step over a tile for the thread's two rows (r = 0, 1: fragment rows g, g+8):
-// s holds the tile's scores in log2 units (masked entries -inf) and mx the thread's per-row max of
-// them. Updates the running max m and sum l (the thread's partial sum, reduced over the row's 4
-// lanes at the end), rescales the accumulator o, and turns s into exp2(s - max).
+// s holds the tile's scores, which times `scale` (> 0) are in log2 units (masked entries -inf),
+// and mx the thread's per-row max of s. Updates the running max m (in log2 units) and sum l (the
+// thread's partial sum, reduced over the row's 4 lanes at the end), rescales the accumulator o,
+// and turns s into exp2(scale s - max), one FFMA and one MUFU an entry.
 template <int NT, int DT>
 __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], const float (&mx)[2], float (&m)[2],
-                                                    float (&l)[2], float (&o)[DT][4]) {
+                                                    float (&l)[2], float (&o)[DT][4], float scale = 1.f) {
   float m_use[2], alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m[r], max4(mx[r]));
+    const float m_new = fmaxf(m[r], max4(mx[r]) * scale);
     m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet
     alpha[r] = fast_exp2(m[r] - m_use[r]);
     m[r] = m_new;
@@ -185,7 +186,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], const flo
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[nt][e] = fast_exp2(s[nt][e] - m_use[e / 2]);
+      s[nt][e] = fast_exp2(fmaf(s[nt][e], scale, -m_use[e / 2]));
       l[e / 2] += s[nt][e];
     }
 #pragma unroll

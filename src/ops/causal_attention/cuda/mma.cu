@@ -130,20 +130,20 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2) forward_k
       float s[NT][4] = {};
       warp_dot<DB, NT, S>(s, sQ, r0, sK, live);
       float mx[2] = {-INFINITY, -INFINITY};
-      auto scores = [&](auto masked) {  // s in log2 units, -inf where not visible
+      auto scores = [&](auto masked) {  // -inf where not visible (scaled in the softmax step)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
             const bool vis = !decltype(masked)::value || (j <= row[r] && j >= lo[r]);
-            s[nt][e] = vis ? s[nt][e] * dm.scale2 : -INFINITY;
+            if (!vis) s[nt][e] = -INFINITY;
             mx[r] = fmaxf(mx[r], s[nt][e]);
           }
       };
       if (all_visible(j0, j0 + BN - 1, lo, hi)) scores(std::false_type{});
       else scores(std::true_type{});
-      online_softmax_step<NT, DT>(s, mx, m, l, o);
+      online_softmax_step<NT, DT>(s, mx, m, l, o, dm.scale2);
       warp_accumulate<DB, NT, S>(o, s, sV, live);
     }
   }
