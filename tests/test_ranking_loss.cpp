@@ -397,6 +397,24 @@ std::pair<double, at::Tensor> expect_gpu_matches_cpu(Inputs& in, bool strided) {
   return {loss, grad};
 }
 
+// The GPU op in bfloat16 storage (scores in score_dt) against the float64 reference on the same
+// rounded inputs (`in` in float64, rounded here; its row mask if any), loss and gradient; returns
+// the GPU's gradient. The kernels compute in float32 and round once at the end: the loss and each
+// gradient entry carry one bfloat16 rounding (relative 2^-9), checked with a 2x margin (2^-8)
+// plus float32-level error.
+at::Tensor expect_gpu_bf16_close(Inputs& in, at::ScalarType score_dt) {
+  in.scores = in.scores.detach().to(score_dt).to(at::kDouble).requires_grad_();
+  in.q = in.q.to(at::kBFloat16).to(at::kDouble), in.k = in.k.to(at::kBFloat16).to(at::kDouble);
+  at::Tensor ref = ranking_loss_reference(in.scores, in.q, in.k, in.seq, in.valid, in.cand, in.rows);
+  (ref * 3).backward();  // 3 is exact in bfloat16
+  const at::Tensor ref_grad = in.scores.grad();
+  const auto [loss, grad] = run_gpu(to_gpu(in, score_dt, at::kBFloat16), 3);
+  const double rtol = score_dt == at::kBFloat16 ? std::ldexp(1.0, -8) : 1e-5;
+  EXPECT_LE(std::abs(loss - ref.item<double>()), (rtol + 1e-5) * std::abs(ref.item<double>()));
+  EXPECT_LE(rel_err(grad, ref_grad, 1e-5 * ref_grad.abs().max().item<double>(), rtol), 1.0);
+  return grad;
+}
+
 }  // namespace
 
 TEST(RankingLossCuda, MatchesCpuFloat32) {
@@ -412,11 +430,10 @@ TEST(RankingLossCuda, MatchesCpuFloat32) {
     }
 }
 
-// bfloat16 storage against the float64 reference on the same (bfloat16-rounded) inputs. The kernels
-// compute in float32 and round once at the end: the loss and each gradient entry carry one bfloat16
-// rounding (relative 2^-9), checked with a 2x margin (2^-8) plus float32-level error. The targets
-// are exact comparisons of float32 sums: a flipped order needs two candidates' sums within ~1e-6,
-// which the fixed seed avoids. With float32 scores and bfloat16 q, k the result is float32.
+// bfloat16 storage against the float64 reference on the same (bfloat16-rounded) inputs
+// (expect_gpu_bf16_close has the tolerances). The targets are exact comparisons of float32 sums: a
+// flipped order needs two candidates' sums within ~1e-6, which the fixed seed avoids. With float32
+// scores and bfloat16 q, k the result is float32.
 TEST(RankingLossCuda, Bfloat16CloseToFloat64) {
   HAX_REQUIRE_CUDA();
   torch::manual_seed(45);
@@ -425,15 +442,7 @@ TEST(RankingLossCuda, Bfloat16CloseToFloat64) {
     for (at::ScalarType score_dt : {at::kBFloat16, at::kFloat}) {
       SCOPED_TRACE("B, L, H, N, C = " + name_of(s) + " scores " + c10::toString(score_dt));
       Inputs in = make_inputs(s, at::kDouble);
-      in.scores = in.scores.detach().to(score_dt).to(at::kDouble).requires_grad_();
-      in.q = in.q.to(at::kBFloat16).to(at::kDouble), in.k = in.k.to(at::kBFloat16).to(at::kDouble);
-      at::Tensor ref = ranking_loss_reference(in.scores, in.q, in.k, in.seq, in.valid, in.cand);
-      (ref * 3).backward();  // 3 is exact in bfloat16
-      const at::Tensor ref_grad = in.scores.grad();
-      const auto [loss, grad] = run_gpu(to_gpu(in, score_dt, at::kBFloat16), 3);
-      const double rtol = score_dt == at::kBFloat16 ? std::ldexp(1.0, -8) : 1e-5;
-      EXPECT_LE(std::abs(loss - ref.item<double>()), (rtol + 1e-5) * std::abs(ref.item<double>()));
-      EXPECT_LE(rel_err(grad, ref_grad, 1e-5 * ref_grad.abs().max().item<double>(), rtol), 1.0);
+      expect_gpu_bf16_close(in, score_dt);
     }
 }
 
@@ -485,16 +494,8 @@ TEST(RankingLossCuda, RowMaskBfloat16CloseToFloat64) {
       SCOPED_TRACE("B, L, H, N, C = " + name_of(s) + " scores " + c10::toString(score_dt) + " rows " +
                    ::testing::PrintToString(mask));
       Inputs in = make_inputs(s, at::kDouble);
-      in.scores = in.scores.detach().to(score_dt).to(at::kDouble).requires_grad_();
-      in.q = in.q.to(at::kBFloat16).to(at::kDouble), in.k = in.k.to(at::kBFloat16).to(at::kDouble);
       in.rows = row_mask(mask);
-      at::Tensor ref = ranking_loss_reference(in.scores, in.q, in.k, in.seq, in.valid, in.cand, in.rows);
-      (ref * 3).backward();  // 3 is exact in bfloat16
-      const at::Tensor ref_grad = in.scores.grad();
-      const auto [loss, grad] = run_gpu(to_gpu(in, score_dt, at::kBFloat16), 3);
-      const double rtol = score_dt == at::kBFloat16 ? std::ldexp(1.0, -8) : 1e-5;
-      EXPECT_LE(std::abs(loss - ref.item<double>()), (rtol + 1e-5) * std::abs(ref.item<double>()));
-      EXPECT_LE(rel_err(grad, ref_grad, 1e-5 * ref_grad.abs().max().item<double>(), rtol), 1.0);
+      const at::Tensor grad = expect_gpu_bf16_close(in, score_dt);
       for (int64_t b = 0; b < s.B; ++b)
         if (!mask[b]) {
           EXPECT_EQ(grad[b].abs().max().item<double>(), 0.0) << "row " << b << " is masked out";
