@@ -3,7 +3,7 @@
 # build (cmake -S . -B build-d -G Ninja -DCMAKE_BUILD_TYPE=Release -DHAX_CUDA=ON) and a GPU.
 #   memcheck:  every GPU test except the long ones (L = 65537 and *Long*), in two runs:
 #              the op tests (about 1.5 min on an H100) and the model, training and step-graph tests
-#              (about 3 min, plus over 6 min for the two step-graph tests: the first alone took 2.5)
+#              (about 3 min, plus over 4 min for the two step-graph tests: the first alone took 2.5)
 #   racecheck: 21 small tests that together launch every kernel file using shared memory
 #              (about 1.5 min). racecheck runs about 100 times slower than a plain run, so the
 #              larger tests do not fit.
