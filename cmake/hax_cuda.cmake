@@ -29,7 +29,10 @@ if(NOT HAX_CUDA_MODE STREQUAL "OFF")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      set(CMAKE_CUDA_ARCHITECTURES 90)  # H100 / H200 (Hopper)
+      # H100 / H200 (Hopper) with its architecture-specific instructions (wgmma; "a": no PTX for
+      # later GPUs). For other GPUs pass -DCMAKE_CUDA_ARCHITECTURES=...: the kernels then take
+      # their mma.sync paths.
+      set(CMAKE_CUDA_ARCHITECTURES 90a)
     endif()
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)

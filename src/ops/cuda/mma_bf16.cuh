@@ -64,29 +64,46 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Tile layouts in shared memory: where entry (row, col) of a tile X lives, for col a multiple of
+// 8 (a 16-byte chunk; the chunk's entries follow it).
+//   Padded<S>: row-major with row stride S (head dim + 8), see above.
+//   Swizzle128: rows of 64 entries (128 bytes) with chunk c of row r stored at chunk c ^ (r % 8),
+//     the layout TMA's 128-byte swizzle writes (the tile 1024-byte aligned); the 8 rows of an
+//     8 x 8 matrix again fall on 8 distinct 16-byte bank groups.
+template <int S>
+struct Padded {
+  static __device__ __forceinline__ const bf16* at(const bf16* X, int row, int col) { return X + row * S + col; }
+  static __device__ __forceinline__ bf16* at(bf16* X, int row, int col) { return X + row * S + col; }
+};
+struct Swizzle128 {
+  static __device__ __forceinline__ int off(int row, int col) { return row * 64 + ((((col >> 3) ^ row) & 7) << 3); }
+  static __device__ __forceinline__ const bf16* at(const bf16* X, int row, int col) { return X + off(row, col); }
+  static __device__ __forceinline__ bf16* at(bf16* X, int row, int col) { return X + off(row, col); }
+};
+
 // A fragment of rows r0..r0+15, columns k0..k0+15 of the row-major tile X (row stride S):
 // matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8).
-template <int S>
+template <class Lay>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, int k0) {
   const int l = lane_of(), m = l / 8;
-  ldsm_x4<false>(a, X + (r0 + l % 8 + (m & 1) * 8) * S + k0 + (m >> 1) * 8);
+  ldsm_x4<false>(a, Lay::at(X, r0 + l % 8 + (m & 1) * 8, k0 + (m >> 1) * 8));
 }
 
 // B fragments (k0..k0+15) x (n0..n0+7) and x (n0+8..n0+15) of B = Y^T, Y row-major (n, k) with
 // row stride S: b = {b0, b1 of columns n0.., b0, b1 of columns n0+8..}; matrices (n +0, k +0),
 // (+0, +8), (+8, +0), (+8, +8).
-template <int S>
+template <class Lay>
 __device__ __forceinline__ void load_b_nk2(uint32_t (&b)[4], const bf16* Y, int n0, int k0) {
   const int l = lane_of(), m = l / 8;
-  ldsm_x4<false>(b, Y + (n0 + l % 8 + (m >> 1) * 8) * S + k0 + (m & 1) * 8);
+  ldsm_x4<false>(b, Lay::at(Y, n0 + l % 8 + (m >> 1) * 8, k0 + (m & 1) * 8));
 }
 
 // The same two B fragments of B = Y, Y row-major (k, n) with row stride S: the transposes of the
 // matrices (k +0, n +0), (+8, +0), (+0, +8), (+8, +8).
-template <int S>
+template <class Lay>
 __device__ __forceinline__ void load_b_kn2(uint32_t (&b)[4], const bf16* Y, int k0, int n0) {
   const int l = lane_of(), m = l / 8;
-  ldsm_x4<true>(b, Y + (k0 + l % 8 + (m & 1) * 8) * S + n0 + (m >> 1) * 8);
+  ldsm_x4<true>(b, Lay::at(Y, k0 + l % 8 + (m & 1) * 8, n0 + (m >> 1) * 8));
 }
 
 // The A fragment of k step kk (columns 16kk..16kk+15) from the C fragments of a (16, 8 NT) tile.
@@ -102,34 +119,39 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4]
 // NT even). `live` bit c off: the 16 columns 16c..16c+15 are skipped (their s entries are left as
 // they are; the caller masks them). kSkip false: every column is computed (no branches between
 // the loads and products, so the compiler can interleave them).
-template <int DB, int NT, int S, bool kSkip>
+template <int DB, int NT, class Lay, bool kSkip>
 __device__ __forceinline__ void warp_dot_cols(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y, unsigned live) {
   static_assert(NT % 2 == 0, "warp_dot reads B fragments two 8-column tiles at a time");
 #pragma unroll
   for (int ks = 0; ks < DB / 16; ++ks) {
     uint32_t a[4];
-    load_a<S>(a, X, r0, ks * 16);
+    load_a<Lay>(a, X, r0, ks * 16);
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
       if (kSkip && !((live >> (nt / 2)) & 1u)) continue;
       uint32_t b[4];
-      load_b_nk2<S>(b, Y, nt * 8, ks * 16);
+      load_b_nk2<Lay>(b, Y, nt * 8, ks * 16);
       mma(s[nt], a, b[0], b[1]);
       mma(s[nt + 1], a, b[2], b[3]);
     }
   }
 }
-template <int DB, int NT, int S>
+template <int DB, int NT, class Lay>
 __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y,
                                          unsigned live = ~0u) {
   constexpr unsigned all = (1u << (NT / 2)) - 1;
-  if ((live & all) == all) warp_dot_cols<DB, NT, S, false>(s, X, r0, Y, live);
-  else warp_dot_cols<DB, NT, S, true>(s, X, r0, Y, live);
+  if ((live & all) == all) warp_dot_cols<DB, NT, Lay, false>(s, X, r0, Y, live);
+  else warp_dot_cols<DB, NT, Lay, true>(s, X, r0, Y, live);
+}
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r0, const bf16* Y,
+                                         unsigned live = ~0u) {
+  warp_dot<DB, NT, Padded<S>>(s, X, r0, Y, live);
 }
 
 // acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S). `live`
 // bit kk off: P's columns 16kk..16kk+15 are zero and skipped.
-template <int DB, int NT, int S, bool kSkip>
+template <int DB, int NT, class Lay, bool kSkip>
 __device__ __forceinline__ void warp_accumulate_cols(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
                                                      unsigned live) {
   static_assert(DB % 16 == 0, "warp_accumulate reads B fragments two 8-column tiles at a time");
@@ -141,18 +163,23 @@ __device__ __forceinline__ void warp_accumulate_cols(float (&acc)[DB / 8][4], co
 #pragma unroll
     for (int nt = 0; nt < DB / 8; nt += 2) {
       uint32_t b[4];
-      load_b_kn2<S>(b, Y, kk * 16, nt * 8);
+      load_b_kn2<Lay>(b, Y, kk * 16, nt * 8);
       mma(acc[nt], a, b[0], b[1]);
       mma(acc[nt + 1], a, b[2], b[3]);
     }
   }
 }
-template <int DB, int NT, int S>
+template <int DB, int NT, class Lay>
 __device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
                                                 unsigned live = ~0u) {
   constexpr unsigned all = (1u << (NT / 2)) - 1;
-  if ((live & all) == all) warp_accumulate_cols<DB, NT, S, false>(acc, pc, Y, live);
-  else warp_accumulate_cols<DB, NT, S, true>(acc, pc, Y, live);
+  if ((live & all) == all) warp_accumulate_cols<DB, NT, Lay, false>(acc, pc, Y, live);
+  else warp_accumulate_cols<DB, NT, Lay, true>(acc, pc, Y, live);
+}
+template <int DB, int NT, int S>
+__device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
+                                                unsigned live = ~0u) {
+  warp_accumulate<DB, NT, Padded<S>>(acc, pc, Y, live);
 }
 
 // Max and sum over the 4 lanes of a fragment row (lanes 4g..4g+3).
@@ -220,7 +247,7 @@ __device__ __forceinline__ void store_rows(bf16* dst, int64_t stride, const floa
 // warp's own (16, DB) region of a shared tile with row stride S (no other warp may read or
 // write it meanwhile; it is overwritten). Needs ncols % 8 == 0 and 16-byte aligned dst rows
 // (stride % 8 == 0). All 32 lanes must call it.
-template <int DB, int S>
+template <int DB, class Lay>
 __device__ __forceinline__ void store_rows_staged(bf16* stage, bf16* dst, int64_t stride,
                                                   const float (&acc)[DB / 8][4], const int (&row)[2],
                                                   const float (&mul)[2], int nrows, int ncols, int t) {
@@ -229,9 +256,8 @@ __device__ __forceinline__ void store_rows_staged(bf16* stage, bf16* dst, int64_
   __syncwarp();  // the warp's earlier reads of `stage` are done
 #pragma unroll
   for (int nt = 0; nt < DB / 8; ++nt) {
-    const int c = nt * 8 + 2 * t;
-    *reinterpret_cast<uint32_t*>(stage + g * S + c) = pack_bf16(acc[nt][0] * mul[0], acc[nt][1] * mul[0]);
-    *reinterpret_cast<uint32_t*>(stage + (g + 8) * S + c) = pack_bf16(acc[nt][2] * mul[1], acc[nt][3] * mul[1]);
+    *reinterpret_cast<uint32_t*>(Lay::at(stage, g, nt * 8) + 2 * t) = pack_bf16(acc[nt][0] * mul[0], acc[nt][1] * mul[0]);
+    *reinterpret_cast<uint32_t*>(Lay::at(stage, g + 8, nt * 8) + 2 * t) = pack_bf16(acc[nt][2] * mul[1], acc[nt][3] * mul[1]);
   }
   __syncwarp();
   // Lane l copies chunks l, l + 32, ...: 16 rows x kChunks, consecutive lanes along a row.
@@ -243,8 +269,14 @@ __device__ __forceinline__ void store_rows_staged(bf16* stage, bf16* dst, int64_
     const int r_hi = __shfl_sync(0xffffffffu, row[1], (rr % 8) * 4);
     const int r = rr < 8 ? r_lo : r_hi;
     if (r >= 0 && r < nrows && c < ncols)
-      *reinterpret_cast<uint4*>(dst + (int64_t)r * stride + c) = *reinterpret_cast<const uint4*>(stage + rr * S + c);
+      *reinterpret_cast<uint4*>(dst + (int64_t)r * stride + c) = *reinterpret_cast<const uint4*>(Lay::at(stage, rr, c));
   }
+}
+template <int DB, int S>
+__device__ __forceinline__ void store_rows_staged(bf16* stage, bf16* dst, int64_t stride,
+                                                  const float (&acc)[DB / 8][4], const int (&row)[2],
+                                                  const float (&mul)[2], int nrows, int ncols, int t) {
+  store_rows_staged<DB, Padded<S>>(stage, dst, stride, acc, row, mul, nrows, ncols, t);
 }
 
 }  // namespace hax::ops::cuda::mma

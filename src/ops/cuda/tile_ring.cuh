@@ -1,0 +1,109 @@
+// A ring of shared-memory tile buffers filled by the TMA unit (sm_90) and consumed by the warps
+// of a block each at its own pace, with no block-wide barrier per tile.
+//
+//   fill:    lane 0 of one warp announces the fill's bytes on the buffer's mbarrier `full` and
+//            issues its copies (tma_load_4d, bulk_copy); the other 31 lanes arrive (32 arrivals
+//            a phase). Values the lanes store themselves (warp_store_floats) are stored before
+//            they arrive.
+//   wait:    a warp waits for tile t on full[t % NB], phase parity (t / NB) & 1.
+//   release: after its last read of tile t, a warp counts itself in released[t % NB]; the warp
+//            that counts last refills the buffer with tile t + NB.
+// A warp reaches tile t + NB only after every warp released tile t, so warps are at most NB - 1
+// tiles apart and the parity names the fill without ambiguity. Every warp must wait for every
+// tile in order (even one whose rows see none of it) before it releases it: the wait is what
+// guarantees that the previous fill of the buffer was counted out.
+#pragma once
+#include <cuda.h>  // CUtensorMap
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace hax::ops::cuda {
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// Makes barrier initializations visible to the copy engine (a __syncthreads must follow).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// One arrival that also announces `bytes` of copies completing on the barrier in this phase.
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst by the
+// copy engine, counted on bar when they land.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+// The box of a 4-d tensor map at coordinates (c0, c1, c2, c3) (innermost first) into dst by the
+// TMA unit, counted on bar when it lands (entries outside the tensor are zeros). `map` is the
+// address of a __grid_constant__ kernel parameter.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// Whether n float32 values src[i0 ..] can come in one bulk copy: all before L, 16-byte aligned.
+__device__ __forceinline__ bool floats_bulk_ok(const float* src, int i0, int n, int L) {
+  return i0 + n <= L && (reinterpret_cast<uintptr_t>(src + i0) & 15) == 0 && n % 4 == 0;
+}
+// Otherwise the lanes of the calling warp store them (0 from i = L on) before they arrive.
+__device__ __forceinline__ void warp_store_floats(float* dst, const float* src, int i0, int n, int L) {
+  for (int c = (int)(threadIdx.x & 31); c < n; c += 32) dst[c] = i0 + c < L ? src[i0 + c] : 0.f;
+}
+
+// The ring's barriers (in shared memory, 8-byte aligned) for NB buffers and WARPS consumer warps.
+template <int NB, int WARPS>
+struct TileRing {
+  uint64_t full[NB];
+  int released[NB];
+
+  // By thread 0 before the block's first __syncthreads (mbar_init_fence included).
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      mbar_init(&full[b], 32);
+      released[b] = 0;
+    }
+    mbar_init_fence();
+  }
+  __device__ __forceinline__ uint64_t* bar(int t) { return &full[t % NB]; }
+  __device__ __forceinline__ int buffer(int t) const { return t % NB; }
+  __device__ __forceinline__ void wait(int t) { mbar_wait(bar(t), (unsigned)(t / NB) & 1u); }
+  // The calling warp is done reading tile t; true on every lane of the warp that released last
+  // (whose job it is to refill the buffer).
+  __device__ __forceinline__ bool release(int t) {
+    __syncwarp();
+    int last = 0;
+    if ((threadIdx.x & 31) == 0) {
+      __threadfence_block();  // this warp's reads of the buffer come before the count
+      last = atomicAdd(&released[t % NB], 1) == WARPS - 1;
+      if (last) atomicExch(&released[t % NB], 0);
+    }
+    return __shfl_sync(0xffffffffu, last, 0) != 0;
+  }
+};
+
+}  // namespace hax::ops::cuda

@@ -1,0 +1,114 @@
+// Warpgroup matrix products (wgmma.mma_async, sm_90) on tiles that TMA wrote with the 128-byte
+// swizzle: rows of 64 bfloat16 (128 bytes), 1024-byte aligned tiles, both operands "K-major"
+// (the reduction dimension contiguous in a row).
+//
+// A shared-memory matrix descriptor (64 bits): start address >> 4 in bits 0-13, leading byte
+// offset >> 4 in bits 16-29 (unused for swizzled K-major operands), stride byte offset >> 4 in
+// bits 32-45 (1024: the distance between groups of 8 rows), layout type in bits 62-63 (1: 128-byte
+// swizzle). A k step of 16 entries (32 bytes) within a row advances the start address by 32 bytes;
+// the hardware applies the swizzle from the address bits, hence the 1024-byte alignment.
+//
+// wgmma needs the sm_90a target (CMAKE_CUDA_ARCHITECTURES 90a): kHaveWgmma says whether this
+// compilation has it; elsewhere the functions trap and callers take their mma.sync path.
+//
+// The accumulator of m64nNk16 (float32) gives warp w of the warpgroup rows 16w..16w+15 in the
+// layout of mma.sync m16n8's C fragment, repeated over the N / 8 column tiles: d[j][0..3] holds
+// (16w + g, 8j + 2t), (.., +1), (16w + g + 8, 8j + 2t), (.., +1) with g = lane / 4, t = lane % 4.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace hax::ops::cuda {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool kHaveWgmma = true;
+#define HAX_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
+#else
+constexpr bool kHaveWgmma = false;
+#define HAX_WGMMA_ASM(...) __trap()
+#endif
+
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem_tile) {
+  const uint64_t addr = (uint64_t)(unsigned)__cvta_generic_to_shared(smem_tile);
+  uint64_t d = 0;
+  d |= (addr & 0x3FFFF) >> 4;          // start address
+  d |= (uint64_t)1 << 16;              // leading byte offset (unused here)
+  d |= (uint64_t)(1024 >> 4) << 32;    // stride byte offset: 8 rows of 128 bytes
+  d |= (uint64_t)1 << 62;              // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void wgmma_fence() { HAX_WGMMA_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { HAX_WGMMA_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  HAX_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// d (64 x 64 float32, this thread's share) (+)= A (64 x 16) B (64 x 16)^T from descriptors;
+// accumulate = false overwrites d.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  HAX_WGMMA_ASM(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+}
+
+// The same with N = 32: d is 64 x 32.
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  HAX_WGMMA_ASM(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+}
+
+template <int NT>
+__device__ __forceinline__ void wgmma_k16(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  static_assert(NT == 4 || NT == 8, "wgmma_k16: N = 32 or 64");
+  if constexpr (NT == 8) wgmma_m64n64k16(d, desc_a, desc_b, accumulate);
+  else wgmma_m64n32k16(d, desc_a, desc_b, accumulate);
+}
+
+// s (64 x 8 NT) = X Y^T over k = 64 for a 64-row swizzled tile X and the 8 NT rows of a swizzled
+// tile Y starting at Y (a multiple of 8 rows into it); with X2, Y2 also t = X2 Y2^T, both issued
+// before either is waited for. Every warp of the warpgroup must call it.
+template <int NT>
+__device__ __forceinline__ void wgmma_dot(float (&s)[NT][4], const __nv_bfloat16* X, const __nv_bfloat16* Y) {
+  const uint64_t da = wgmma_desc_sw128(X), db = wgmma_desc_sw128(Y);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma_k16<NT>(s, da + 2 * ks, db + 2 * ks, ks > 0);  // +32 bytes a step
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+template <int NT>
+__device__ __forceinline__ void wgmma_dot2(float (&s)[NT][4], const __nv_bfloat16* X, const __nv_bfloat16* Y,
+                                           float (&t)[NT][4], const __nv_bfloat16* X2, const __nv_bfloat16* Y2) {
+  const uint64_t da = wgmma_desc_sw128(X), db = wgmma_desc_sw128(Y);
+  const uint64_t da2 = wgmma_desc_sw128(X2), db2 = wgmma_desc_sw128(Y2);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma_k16<NT>(s, da + 2 * ks, db + 2 * ks, ks > 0);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma_k16<NT>(t, da2 + 2 * ks, db2 + 2 * ks, ks > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+}  // namespace hax::ops::cuda
+
+#undef HAX_WGMMA_ASM
