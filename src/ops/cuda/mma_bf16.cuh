@@ -3,7 +3,8 @@
 //
 // Operand tiles sit in shared memory row-major with a row stride S (bfloat16 entries; S = head
 // dim + 8: rows are 16-byte aligned and the 8 rows of an 8 x 8 matrix fall on 8 distinct 16-byte
-// bank groups). Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
+// bank groups), or in TMA's 128-byte swizzle (Swizzle128, below); the functions take the layout
+// as a type, and their overloads with an int S mean Padded<S>. Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
 //   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B (16 x 8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
 //   C (16 x 8, float):      c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
@@ -81,7 +82,7 @@ struct Swizzle128 {
   static __device__ __forceinline__ bf16* at(bf16* X, int row, int col) { return X + off(row, col); }
 };
 
-// A fragment of rows r0..r0+15, columns k0..k0+15 of the row-major tile X (row stride S):
+// A fragment of rows r0..r0+15, columns k0..k0+15 of the tile X (layout Lay):
 // matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8).
 template <class Lay>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, int k0) {
@@ -89,8 +90,8 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* X, int r0, 
   ldsm_x4<false>(a, Lay::at(X, r0 + l % 8 + (m & 1) * 8, k0 + (m >> 1) * 8));
 }
 
-// B fragments (k0..k0+15) x (n0..n0+7) and x (n0+8..n0+15) of B = Y^T, Y row-major (n, k) with
-// row stride S: b = {b0, b1 of columns n0.., b0, b1 of columns n0+8..}; matrices (n +0, k +0),
+// B fragments (k0..k0+15) x (n0..n0+7) and x (n0+8..n0+15) of B = Y^T, Y (n, k) laid out by
+// Lay: b = {b0, b1 of columns n0.., b0, b1 of columns n0+8..}; matrices (n +0, k +0),
 // (+0, +8), (+8, +0), (+8, +8).
 template <class Lay>
 __device__ __forceinline__ void load_b_nk2(uint32_t (&b)[4], const bf16* Y, int n0, int k0) {
@@ -98,7 +99,7 @@ __device__ __forceinline__ void load_b_nk2(uint32_t (&b)[4], const bf16* Y, int 
   ldsm_x4<false>(b, Lay::at(Y, n0 + l % 8 + (m >> 1) * 8, k0 + (m & 1) * 8));
 }
 
-// The same two B fragments of B = Y, Y row-major (k, n) with row stride S: the transposes of the
+// The same two B fragments of B = Y, Y (k, n) laid out by Lay: the transposes of the
 // matrices (k +0, n +0), (+8, +0), (+0, +8), (+8, +8).
 template <class Lay>
 __device__ __forceinline__ void load_b_kn2(uint32_t (&b)[4], const bf16* Y, int k0, int n0) {
@@ -115,7 +116,7 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4]
   a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
-// s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both row-major, stride S;
+// s (16, 8 NT) += X[r0.., :DB] Y[0.., :DB]^T: rows of X against rows of Y (both laid out by Lay;
 // NT even). `live` bit c off: the 16 columns 16c..16c+15 are skipped (their s entries are left as
 // they are; the caller masks them). kSkip false: every column is computed (no branches between
 // the loads and products, so the compiler can interleave them).
@@ -149,7 +150,7 @@ __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r
   warp_dot<DB, NT, Padded<S>>(s, X, r0, Y, live);
 }
 
-// acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y row-major, stride S). `live`
+// acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y laid out by Lay). `live`
 // bit kk off: P's columns 16kk..16kk+15 are zero and skipped.
 template <int DB, int NT, class Lay, bool kSkip>
 __device__ __forceinline__ void warp_accumulate_cols(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
@@ -244,7 +245,7 @@ __device__ __forceinline__ void store_rows(bf16* dst, int64_t stride, const floa
 
 // The same rows written through shared memory, so that global stores are whole 16-byte chunks
 // (store_rows' 2-byte stores use a quarter of each 32-byte sector they touch). `stage` is the
-// warp's own (16, DB) region of a shared tile with row stride S (no other warp may read or
+// warp's own (16, DB) region of a shared tile laid out by Lay (no other warp may read or
 // write it meanwhile; it is overwritten). Needs ncols % 8 == 0 and 16-byte aligned dst rows
 // (stride % 8 == 0). All 32 lanes must call it.
 template <int DB, class Lay>
