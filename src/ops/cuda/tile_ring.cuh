@@ -2,9 +2,8 @@
 // of a block each at its own pace, with no block-wide barrier per tile.
 //
 //   fill:    lane 0 of one warp announces the fill's bytes on the buffer's mbarrier `full` and
-//            issues its copies (tma_load_4d, bulk_copy); the other 31 lanes arrive (32 arrivals
-//            a phase). Values the lanes store themselves (warp_store_floats) are stored before
-//            they arrive.
+//            issues its tensor-map copies (tma_load_2d, tma_load_4d); the other 31 lanes arrive
+//            (32 arrivals a phase).
 //   wait:    a warp waits for tile t on full[t % NB], phase parity (t / NB) & 1.
 //   release: after its last read of tile t, a warp counts itself in released[t % NB]; the warp
 //            that counts last refills the buffer with tile t + NB.
@@ -44,13 +43,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
         : "memory");
   } while (!done);
 }
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst by the
-// copy engine, counted on bar when they land.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
+// The box of a 2-d tensor map at coordinates (c0, c1) (innermost first) into dst, as tma_load_4d.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
 }
 
 // The box of a 4-d tensor map at coordinates (c0, c1, c2, c3) (innermost first) into dst by the
@@ -63,15 +62,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, i
       "[%6];\n" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
       : "memory");
-}
-
-// Whether n float32 values src[i0 ..] can come in one bulk copy: all before L, 16-byte aligned.
-__device__ __forceinline__ bool floats_bulk_ok(const float* src, int i0, int n, int L) {
-  return i0 + n <= L && (reinterpret_cast<uintptr_t>(src + i0) & 15) == 0 && n % 4 == 0;
-}
-// Otherwise the lanes of the calling warp store them (0 from i = L on) before they arrive.
-__device__ __forceinline__ void warp_store_floats(float* dst, const float* src, int i0, int n, int L) {
-  for (int c = (int)(threadIdx.x & 31); c < n; c += 32) dst[c] = i0 + c < L ? src[i0 + c] : 0.f;
 }
 
 // The ring's barriers (in shared memory, 8-byte aligned) for NB buffers and WARPS consumer warps.

@@ -90,6 +90,7 @@ constexpr bool kWgmma = cuda::kHaveWgmma;
 // dout with boxes of 64 entries x 1 head x 64 positions x 1 batch.
 struct TmaMaps {
   CUtensorMap q, k, v, dout;
+  CUtensorMap lse, delta;  // dK/dV: 2-d views (L, B H) of lse and Δ (float32), boxes of 64 x 1
 };
 
 using Ring = cuda::TileRing<2, kThreads / 32>;
@@ -543,16 +544,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   // first also brings the block's keys and values.
   auto fill = [&](int n) {
     const int i0 = (qt_begin + n) * BN, buf = ring.buffer(n);
-    const bool lse_bulk = cuda::floats_bulk_ok(lse, i0, BN, L), dl_bulk = cuda::floats_bulk_ok(delta, i0, BN, L);
-    if (!lse_bulk) cuda::warp_store_floats(sLse0 + buf * BN, lse, i0, BN, L);
-    if (!dl_bulk) cuda::warp_store_floats(sDl0 + buf * BN, delta, i0, BN, L);
     if (lane == 0) {
-      const unsigned bytes = (n == 0 ? 4 : 2) * BN * 64 * 2 + (lse_bulk + dl_bulk) * BN * 4;
+      const unsigned bytes = (n == 0 ? 4 : 2) * BN * 64 * 2 + 2 * BN * 4;
       cuda::mbar_arrive_expect(ring.bar(n), bytes);
       cuda::tma_load_4d(sQ0 + buf * BN * S, &maps.q, 0, h, i0, b, ring.bar(n));
       cuda::tma_load_4d(sdO0 + buf * BN * S, &maps.dout, 0, h, i0, b, ring.bar(n));
-      if (lse_bulk) cuda::bulk_copy(sLse0 + buf * BN, lse + i0, BN * 4, ring.bar(n));
-      if (dl_bulk) cuda::bulk_copy(sDl0 + buf * BN, delta + i0, BN * 4, ring.bar(n));
+      cuda::tma_load_2d(sLse0 + buf * BN, &maps.lse, i0, bh, ring.bar(n));
+      cuda::tma_load_2d(sDl0 + buf * BN, &maps.delta, i0, bh, ring.bar(n));
       if (n == 0) {
         cuda::tma_load_4d(sK, &maps.k, 0, h, j0, b, ring.bar(n));
         cuda::tma_load_4d(sV, &maps.v, 0, h, j0, b, ring.bar(n));
@@ -645,11 +643,10 @@ VecLoads vec_loads(const CausalAttentionParams& p, std::initializer_list<const v
 }
 
 // Which kernels take the kTma path when it is possible: HAX_CAUSAL_TMA as a bit mask (1 forward,
-// 2 dQ, 4 dK/dV), for comparisons; unset: 3. dK/dV stays on kCopy by default: on its TMA path it
-// stages lse and Δ with a bulk copy or lane stores on the ring's mbarrier, and compute-sanitizer
-// racecheck reports those writes against the reads after the wait (BENCHMARKS.md, ninth pass),
-// which this session could not settle; the forward and dQ fill their rings with TMA tensor
-// copies only and are racecheck clean.
+// 2 dQ, 4 dK/dV), for comparisons; unset: 3. On main, dK/dV's TMA path staged lse and Δ with a
+// bulk copy or lane stores, which racecheck reported; here they come by 2-d tensor maps like the
+// other tiles (L % 4 == 0, else dK/dV takes kCopy). Not yet run on a GPU: once racecheck is clean
+// at mask 7, the default can include dK/dV.
 int tma_mask() {
   static const int mask = [] {
     const char* e = std::getenv("HAX_CAUSAL_TMA");
@@ -696,6 +693,29 @@ bool tma_maps(const CausalAttentionParams& p, const void* dout, TmaMaps& maps) {
   return make(maps.q, p.q) && make(maps.k, p.k) && make(maps.v, p.v) && make(maps.dout, dout);
 }
 
+// dK/dV's kTma also needs lse and Δ as tensor maps: rows of L float32 a (b, h), whose stride
+// must be a multiple of 16 bytes (L % 4 == 0). Call after tma_maps.
+bool tma_row_maps(const CausalAttentionGradParams& gp, TmaMaps& maps) {
+  const CausalAttentionParams& p = gp.fwd;
+  if (p.seqlen % 4 != 0) return false;
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status;
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+      status != cudaDriverEntryPointSuccess)
+    return false;
+  const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  auto make = [&](CUtensorMap& map, const void* base) {
+    if (!aligned16(base)) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)p.seqlen, (cuuint64_t)(p.batch * p.nheads)};
+    const cuuint64_t strides[1] = {(cuuint64_t)p.seqlen * 4};
+    const cuuint32_t box[2] = {64, 1}, unit[2] = {1, 1};
+    return encode(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base), dims, strides, box, unit,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return make(maps.lse, p.lse) && make(maps.delta, gp.workspace);
+}
+
 }  // namespace
 
 void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
@@ -738,7 +758,7 @@ void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
     using Copy = std::integral_constant<int, kCopy>;
     if constexpr (DB == 64)
       if (tma) {
-        const int m = tma_mask() & 6;
+        const int m = tma_mask() & (tma_row_maps(gp, maps) ? 6 : 2);
         if (m == 6) return launch(Tma{}, Tma{});
         if (m == 2) return launch(Tma{}, Copy{});
         if (m == 4) return launch(Copy{}, Tma{});
