@@ -94,6 +94,32 @@ struct TileRing {
     }
     return __shfl_sync(0xffffffffu, last, 0) != 0;
   }
+  // Fill of tile t by the calling warp: lane 0 announces `bytes` on the tile's barrier and makes
+  // the copies, issue(bar) (TMA tensor copies counted on bar); the other 31 lanes arrive.
+  template <class Issue>
+  __device__ __forceinline__ void fill(int t, unsigned bytes, Issue&& issue) {
+    if ((threadIdx.x & 31) == 0) {
+      mbar_arrive_expect(bar(t), bytes);
+      issue(bar(t));
+    } else {
+      mbar_arrive(bar(t));
+    }
+  }
+  // By the whole block, before its first wait: thread 0 sets the barriers up, then warp w makes
+  // fill_tile(w) for the first min(NB, tiles) of the block's `tiles` tiles.
+  template <class FillTile>
+  __device__ __forceinline__ void start(int tiles, FillTile&& fill_tile) {
+    if (threadIdx.x == 0) init();
+    __syncthreads();
+    const int w = (int)threadIdx.x / 32;
+    if (w < NB && w < tiles) fill_tile(w);
+  }
+  // The calling warp is done with tile t: release it, and if it released last and tile t + NB
+  // is one of the block's `tiles`, refill the buffer with it.
+  template <class FillTile>
+  __device__ __forceinline__ void advance(int t, int tiles, FillTile&& fill_tile) {
+    if (release(t) && t + NB < tiles) fill_tile(t + NB);
+  }
 };
 
 }  // namespace hax::ops::cuda

@@ -30,8 +30,7 @@
 // that global stores are whole 16-byte chunks. BENCHMARKS.md, ninth pass: on the H100 the TMA
 // ring alone changed nothing (the kernels are bound by each warp's dependency chain, ldmatrix ->
 // mma -> row max -> exp -> mma, at 4 warps a scheduler, not by their loads); wgmma took the SW
-// k = 128 forward and dQ at 64K from 365 / 460 us to 307 / 376 (dK/dV 550 -> 526, but its TMA
-// path is off by default: see tma_mask).
+// k = 128 forward and dQ at 64K from 365 / 460 us to 307 / 376, dK/dV 550 -> 526.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
@@ -153,20 +152,15 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   // kTma: fill n of the ring (key tile kt_begin + n) by the calling warp; the first brings sQ too.
   auto fill = [&](int n) {
     const int buf = ring.buffer(n);
-    if (lane == 0) {
-      cuda::mbar_arrive_expect(ring.bar(n), (n == 0 ? 3 : 2) * BN * 64 * 2);
-      cuda::tma_load_4d(sK0 + buf * BN * S, &maps.k, 0, h, (kt_begin + n) * BN, b, ring.bar(n));
-      cuda::tma_load_4d(sV0 + buf * BN * S, &maps.v, 0, h, (kt_begin + n) * BN, b, ring.bar(n));
-      if (n == 0) cuda::tma_load_4d(sQ, &maps.q, 0, h, i0, b, ring.bar(n));
-    } else {
-      cuda::mbar_arrive(ring.bar(n));
-    }
+    ring.fill(n, (n == 0 ? 3 : 2) * BN * 64 * 2, [&](uint64_t* bar) {
+      cuda::tma_load_4d(sK0 + buf * BN * S, &maps.k, 0, h, (kt_begin + n) * BN, b, bar);
+      cuda::tma_load_4d(sV0 + buf * BN * S, &maps.v, 0, h, (kt_begin + n) * BN, b, bar);
+      if (n == 0) cuda::tma_load_4d(sQ, &maps.q, 0, h, i0, b, bar);
+    });
   };
+  const int tiles = kt_end - kt_begin + 1;
   if constexpr (kMode == kTma) {
-    if (threadIdx.x == 0) ring.init();
-    __syncthreads();
-    const int w = threadIdx.x / 32;  // warp w makes fill w
-    if (w < Cfg::NB && kt_begin + w <= kt_end) fill(w);
+    ring.start(tiles, fill);
   } else if constexpr (kMode == kCopy) {
     cuda::async_tile<S, kRows, DB, kThreads>(sQ, q, sqk, i0, L, dm.D);
     issue(kt_begin, 0);  // one group with sQ
@@ -216,8 +210,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       online_softmax_step<NT, DT>(s, mx, m, l, o, dm.scale2);
       warp_accumulate<DB, NT, Lay>(o, s, sV, live);
     }
-    if constexpr (kMode == kTma)
-      if (ring.release(n) && kt + Cfg::NB <= kt_end) fill(n + Cfg::NB);
+    if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
 
   float inv[2];
@@ -363,18 +356,16 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   // kTma: fill n of the ring (key tile kt_begin + n) by the calling warp; the first brings sQ, sdO.
   auto fill = [&](int n) {
     const int buf = ring.buffer(n);
-    if (lane == 0) {
-      cuda::mbar_arrive_expect(ring.bar(n), (n == 0 ? 4 : 2) * BN * 64 * 2);
-      cuda::tma_load_4d(sK0 + buf * BN * S, &maps.k, 0, h, (kt_begin + n) * BN, b, ring.bar(n));
-      cuda::tma_load_4d(sV0 + buf * BN * S, &maps.v, 0, h, (kt_begin + n) * BN, b, ring.bar(n));
+    ring.fill(n, (n == 0 ? 4 : 2) * BN * 64 * 2, [&](uint64_t* bar) {
+      cuda::tma_load_4d(sK0 + buf * BN * S, &maps.k, 0, h, (kt_begin + n) * BN, b, bar);
+      cuda::tma_load_4d(sV0 + buf * BN * S, &maps.v, 0, h, (kt_begin + n) * BN, b, bar);
       if (n == 0) {
-        cuda::tma_load_4d(sQ, &maps.q, 0, h, i0, b, ring.bar(n));
-        cuda::tma_load_4d(sdO, &maps.dout, 0, h, i0, b, ring.bar(n));
+        cuda::tma_load_4d(sQ, &maps.q, 0, h, i0, b, bar);
+        cuda::tma_load_4d(sdO, &maps.dout, 0, h, i0, b, bar);
       }
-    } else {
-      cuda::mbar_arrive(ring.bar(n));
-    }
+    });
   };
+  const int tiles = kt_end - kt_begin + 1;
   const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
   float lse_row[2];  // lse of the thread's rows, loaded first: its latency overlaps the tile copies'
 #pragma unroll
@@ -382,10 +373,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   if constexpr (kMode == kTma) {
     BlockDelta<DB, Lay> bd;
     bd.load((const bf16*)p.out + off_v, sv, i0, dm);
-    if (threadIdx.x == 0) ring.init();
-    __syncthreads();
-    const int w = threadIdx.x / 32;  // warp w makes fill w
-    if (w < Cfg::NB && kt_begin + w <= kt_end) fill(w);
+    ring.start(tiles, fill);
     ring.wait(0);  // sdO for Δ (with the first key tile)
     bd.finish(sDl, delta, sdO, dlse, i0, dm);
   } else if constexpr (kMode == kCopy) {
@@ -460,8 +448,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       else grads(std::true_type{});
       warp_accumulate<DB, NT, Lay>(acc, s, sKs, live);  // dQ += dS K
     }
-    if constexpr (kMode == kTma)
-      if (ring.release(n) && kt + Cfg::NB <= kt_end) fill(n + Cfg::NB);
+    if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
   const float scale[2] = {(float)p.scale, (float)p.scale};
   // 16-byte stores through the warp's own rows of sQ (read by this warp only since Δ).
@@ -544,26 +531,20 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   // first also brings the block's keys and values.
   auto fill = [&](int n) {
     const int i0 = (qt_begin + n) * BN, buf = ring.buffer(n);
-    if (lane == 0) {
-      const unsigned bytes = (n == 0 ? 4 : 2) * BN * 64 * 2 + 2 * BN * 4;
-      cuda::mbar_arrive_expect(ring.bar(n), bytes);
-      cuda::tma_load_4d(sQ0 + buf * BN * S, &maps.q, 0, h, i0, b, ring.bar(n));
-      cuda::tma_load_4d(sdO0 + buf * BN * S, &maps.dout, 0, h, i0, b, ring.bar(n));
-      cuda::tma_load_2d(sLse0 + buf * BN, &maps.lse, i0, bh, ring.bar(n));
-      cuda::tma_load_2d(sDl0 + buf * BN, &maps.delta, i0, bh, ring.bar(n));
+    ring.fill(n, (n == 0 ? 4 : 2) * BN * 64 * 2 + 2 * BN * 4, [&](uint64_t* bar) {
+      cuda::tma_load_4d(sQ0 + buf * BN * S, &maps.q, 0, h, i0, b, bar);
+      cuda::tma_load_4d(sdO0 + buf * BN * S, &maps.dout, 0, h, i0, b, bar);
+      cuda::tma_load_2d(sLse0 + buf * BN, &maps.lse, i0, bh, bar);
+      cuda::tma_load_2d(sDl0 + buf * BN, &maps.delta, i0, bh, bar);
       if (n == 0) {
-        cuda::tma_load_4d(sK, &maps.k, 0, h, j0, b, ring.bar(n));
-        cuda::tma_load_4d(sV, &maps.v, 0, h, j0, b, ring.bar(n));
+        cuda::tma_load_4d(sK, &maps.k, 0, h, j0, b, bar);
+        cuda::tma_load_4d(sV, &maps.v, 0, h, j0, b, bar);
       }
-    } else {
-      cuda::mbar_arrive(ring.bar(n));
-    }
+    });
   };
+  const int tiles = qt_end - qt_begin + 1;
   if constexpr (kMode == kTma) {
-    if (threadIdx.x == 0) ring.init();
-    __syncthreads();
-    const int w = threadIdx.x / 32;  // warp w makes fill w
-    if (w < Cfg::NB && qt_begin + w <= qt_end) fill(w);
+    ring.start(tiles, fill);
   } else if constexpr (kMode == kCopy) {
     cuda::async_tile<S, kRows, DB, kThreads>(sK, k, sqk, j0, L, dm.D);
     cuda::async_tile<S, kRows, DB, kThreads>(sV, v, sv, j0, L, dm.Dv);
@@ -619,8 +600,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       warp_accumulate<DB, NT, Lay>(dv, st, sdO, live);  // dV += P^T dO
       warp_accumulate<DB, NT, Lay>(dk, dpt, sQ, live);  // dK += dS^T Q
     }
-    if constexpr (kMode == kTma)
-      if (ring.release(n) && qt + Cfg::NB <= qt_end) fill(n + Cfg::NB);
+    if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
   const float scale[2] = {(float)p.scale, (float)p.scale}, one[2] = {1.f, 1.f};
   if constexpr (kMode != kPlain) {  // 16-byte stores through the warp's own rows of sK and sV
@@ -643,14 +623,12 @@ VecLoads vec_loads(const CausalAttentionParams& p, std::initializer_list<const v
 }
 
 // Which kernels take the kTma path when it is possible: HAX_CAUSAL_TMA as a bit mask (1 forward,
-// 2 dQ, 4 dK/dV), for comparisons; unset: 3. On main, dK/dV's TMA path staged lse and Δ with a
-// bulk copy or lane stores, which racecheck reported; here they come by 2-d tensor maps like the
-// other tiles (L % 4 == 0, else dK/dV takes kCopy). Not yet run on a GPU: once racecheck is clean
-// at mask 7, the default can include dK/dV.
+// 2 dQ, 4 dK/dV), for comparisons; unset: 7. dK/dV's ring also takes lse and Δ, by 2-d tensor
+// maps (L % 4 == 0, else dK/dV takes kCopy), so every ring is filled by TMA tensor copies only.
 int tma_mask() {
   static const int mask = [] {
     const char* e = std::getenv("HAX_CAUSAL_TMA");
-    if (!e) return 3;
+    if (!e) return 7;
     char* end = nullptr;
     const long m = std::strtol(e, &end, 10);
     if (end == e || *end != '\0' || m < 0 || m > 7)
