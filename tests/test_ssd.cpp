@@ -259,7 +259,7 @@ TEST(SsdCuda, LongSequenceMatchesCpu) {
 }
 
 TEST(SsdCuda, ChunkStatesMatchCpuLayout) {
-  // ssd_forward's chunk_states (float32 on CUDA) hold the CPU's values in the CPU's layout.
+  // ssd_forward's chunk_states (x's dtype on both) hold the CPU's values in the CPU's layout.
   HAX_REQUIRE_CUDA();
   torch::manual_seed(34);
   for (int64_t chunk : {16, 64, 100, 256}) {
@@ -272,6 +272,12 @@ TEST(SsdCuda, ChunkStatesMatchCpuLayout) {
     EXPECT_EQ(gcst.scalar_type(), at::kFloat);
     EXPECT_LE(rel_err(gcst.to(at::kCPU), cst, 1e-4 * std::max(1.0, cst.abs().max().item<double>()), 1e-4), 1.0);
     EXPECT_LE(rel_err(gy.to(at::kCPU), y, 1e-4 * std::max(1.0, y.abs().max().item<double>()), 1e-4), 1.0);
+    // bfloat16 inputs: the states are stored in bfloat16, each the float32 state rounded once.
+    Tensors g16 = to_device(in, at::Device(at::kCUDA, 0), at::kBFloat16);
+    at::Tensor c16 = std::get<2>(ssd_forward(g16[0], g16[1], g16[2], g16[3], g16[4], g16[5], g16[6], chunk));
+    ASSERT_EQ(c16.scalar_type(), at::kBFloat16);
+    EXPECT_LE(rel_err(c16.to(at::kCPU).to(at::kFloat), cst, 0.05 * std::max(1.0, cst.abs().max().item<double>()), 0.05),
+              1.0);
   }
 }
 

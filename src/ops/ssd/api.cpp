@@ -64,15 +64,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0,
   SsdParams p = make_params(d, chunk, x, dt, A, Bm, Cm, init, seq);
   at::Tensor y = new_output({d.B, d.L, d.H, d.P}, x.options());
   at::Tensor fin = new_output({d.B, d.H, d.P, d.N}, x.options());
-  // The saved states are float32 on CUDA (the kernels' math type), x's dtype on the CPU.
-  at::Tensor cst =
-      new_output({d.B, d.H, p.nchunks(), d.N, d.P}, x.is_cuda() ? x.options().dtype(at::kFloat) : x.options());
+  // The saved states are in x's dtype (on CUDA the passes run in float32 and store rounded states,
+  // as mamba_ssm's kernels do).
+  at::Tensor cst = new_output({d.B, d.H, p.nchunks(), d.N, d.P}, x.options());
   p.y = y.data_ptr(), p.final_state = fin.data_ptr(), p.chunk_states = cst.data_ptr();
   if (d.B * d.L == 0) {
     if (init.defined()) fin.copy_(init);  // an empty sequence passes the state through
     else fin.zero_();
   } else if (x.is_cuda()) {
-    at::Tensor work = at::empty({ssd_cuda_workspace(p, false)}, x.options().dtype(at::kFloat));
+    at::Tensor work = at::empty({ssd_cuda_workspace(p, false, x.element_size())}, x.options().dtype(at::kFloat));
     p.workspace = work.data_ptr();
     HAX_CUDA_LAUNCH(kOp, x, ssd_forward_cuda(p, kernel_dtype(x), cuda_stream(x)));
   } else {
@@ -136,7 +136,7 @@ struct SsdFunction : public torch::autograd::Function<SsdFunction> {
       at::Tensor dx = new_output_like(x), ddt = new_output_like(dt);
       at::Tensor dB = new_output_like(Bm), dC = new_output_like(Cm);
       at::Tensor dA_part = new_output({d.B, d.H}, x.options().dtype(at::kFloat));
-      at::Tensor work = at::empty({ssd_cuda_workspace(gp.fwd, true)}, x.options().dtype(at::kFloat));
+      at::Tensor work = at::empty({ssd_cuda_workspace(gp.fwd, true, x.element_size())}, x.options().dtype(at::kFloat));
       gp.fwd.workspace = work.data_ptr();
       gp.dx = dx.data_ptr(), gp.ddt = ddt.data_ptr(), gp.dA_part = dA_part.data_ptr();
       gp.dB = dB.data_ptr(), gp.dC = dC.data_ptr();

@@ -26,9 +26,8 @@ struct SsdParams {
   const int32_t* seq_idx = nullptr;  // (B, L) non-decreasing sequence numbers, or null
   void* y = nullptr;            // out (B, L, H, P)
   void* final_state = nullptr;  // out (B, H, P, N)
-  void* chunk_states = nullptr; // out (B, H, nchunks, N, P): state entering each chunk (for backward);
-                                // x's dtype on the CPU, float32 on CUDA
-  void* workspace = nullptr;    // CUDA only: float32 scratch of ssd_cuda_workspace(*this, backward) entries
+  void* chunk_states = nullptr; // out (B, H, nchunks, N, P): state entering each chunk (for backward), x's dtype
+  void* workspace = nullptr;    // CUDA only: scratch of ssd_cuda_workspace(*this, backward, ...) float32 entries
 
   HAX_HOST_DEVICE int64_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many
@@ -67,15 +66,16 @@ struct SsdGradParams {
   void* dinit = nullptr;              // out (B, H, P, N) or null
 };
 
-// The CUDA kernels' float32 scratch, carved from one workspace buffer. Per sub-chunk s of row b,
-// head h (or group g):
+// The CUDA kernels' scratch, carved from one workspace buffer, float32 except the states, which
+// are stored in x's dtype (as chunk_states; the passes and products still run in float32). Per
+// sub-chunk s of row b, head h (or group g):
 struct SsdScratch {
   float* cs = nullptr;       // (B, H, S, 64): inclusive cumsum of dt A within the sub-chunk
   float* decay = nullptr;    // (B, H, S): the factor of the entering state in the leaving one
   float* cb = nullptr;       // (B, G, S, 64, 64): C_i . B_j
-  float* states = nullptr;   // (B, H, S, N, P): state entering each sub-chunk; null where chunk_states
-                             // holds them (one sub-chunk per chunk)
-  float* dstates = nullptr;  // backward (B, H, S, N, P): gradient of the state leaving each sub-chunk
+  void* states = nullptr;    // (B, H, S, N, P), x's dtype: state entering each sub-chunk; null where
+                             // chunk_states holds them (one sub-chunk per chunk)
+  void* dstates = nullptr;   // backward (B, H, S, N, P), x's dtype: gradient of the state leaving each sub-chunk
   float* dcb = nullptr;      // backward (B, G, S, 64, 64): d(C_i . B_j) summed over the group's heads
   float* rows = nullptr;     // backward (4, B, H, S, 64): per-step terms of d(cs): intra, v, u, x.dXd
   float* dg = nullptr;       // backward (B, H, S): d(cs_last) from the entering state's decay
@@ -83,8 +83,9 @@ struct SsdScratch {
   int64_t total = 0;         // float32 entries in all
 };
 
-// Lays the scratch out from `base` (null: only counts the entries).
-inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, float* base) {
+// Lays the scratch out from `base` (null: only counts the entries); state_bytes: the size of one
+// entry of x's dtype (2 for bfloat16, 4 for float32).
+inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, int64_t state_bytes, float* base) {
   SsdScratch s;
   const int64_t S = p.nsubs(), BH = p.batch * p.nheads, BG = p.batch * p.ngroups;
   const int64_t T = kSsdSubChunk, NP = p.dstate * p.headdim;
@@ -96,9 +97,10 @@ inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, float* bas
   s.cs = take(BH * S * T);
   s.decay = take(BH * S);
   s.cb = take(BG * S * T * T);
-  if (p.subs_per_chunk() > 1) s.states = take(BH * S * NP);
+  const int64_t state_entries = (BH * S * NP * state_bytes + 3) / 4;  // in float32 entries
+  if (p.subs_per_chunk() > 1) s.states = take(state_entries);
   if (backward) {
-    s.dstates = take(BH * S * NP);
+    s.dstates = take(state_entries);
     s.dcb = take(BG * S * T * T);
     s.rows = take(4 * BH * S * T);
     s.dg = take(BH * S);
@@ -108,13 +110,13 @@ inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, float* bas
 }
 
 // Float32 entries of workspace the CUDA forward (backward = false) or backward needs.
-inline int64_t ssd_cuda_workspace(const SsdParams& p, bool backward) {
-  return ssd_cuda_scratch(p, backward, nullptr).total;
+inline int64_t ssd_cuda_workspace(const SsdParams& p, bool backward, int64_t state_bytes) {
+  return ssd_cuda_scratch(p, backward, state_bytes, nullptr).total;
 }
 
 // CUDA kernels (float32 or bfloat16 storage, float32 math; bfloat16 runs its matrix products on
-// tensor cores); `stream` is a cudaStream_t. chunk_states, dA_part are float32. No atomics: the
-// backward is deterministic.
+// tensor cores); `stream` is a cudaStream_t. dA_part is float32. No atomics: the backward is
+// deterministic.
 void ssd_forward_cuda(const SsdParams& p, DType dtype, void* stream);
 void ssd_backward_cuda(const SsdGradParams& p, DType dtype, void* stream);
 

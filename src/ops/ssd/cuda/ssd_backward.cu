@@ -44,10 +44,10 @@ __device__ __forceinline__ float* row_terms(const SsdParams& p, const SsdScratch
 //   X(j, p) = w_j Σ_n B_j[n] dS[n][p]        (then v_j = Σ_p dt_j x_j[p] X(j, p))
 //   Y(i, p) = re_i Σ_n C_i[n] S[n][p]        (then u_i = Σ_p dy_i[p] Y(i, p))
 //   X(j, p) += Σ_i M_ij dy_i[p]              (X = dXd: dx = dt X, x.dXd = Σ_p x_j[p] X(j, p))
-// B, C, dy enter as is; dS, S and M are split; w and re scale the accumulators.
+// B, C, dy, and dS, S (stored in x's dtype) enter as is; M is split; w and re scale the accumulators.
 // Grid: S * B * H blocks; block s + S (b H + h).
 template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const float* states) {
+__global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   const T* Bm = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
   const T* C = (const T*)p.Cm + ((b * p.seqlen + u.t0) * G + g) * N;
   const float* cb = w.cb + ((b * G + g) * S + s) * kT * kT;
-  const float* st = states + (bh * S + s) * N * P;     // entry (n, p) at [n P + p]
-  const float* ds = w.dstates + (bh * S + s) * N * P;  // likewise
+  const T* st = states + (bh * S + s) * N * P;                 // entry (n, p) at [n P + p]
+  const T* ds = (const T*)w.dstates + (bh * S + s) * N * P;  // likewise
   const int ks = round16(u.len);
   float vpart[4] = {0.f, 0.f, 0.f, 0.f}, upart[4] = {0.f, 0.f, 0.f, 0.f}, xpart[4] = {0.f, 0.f, 0.f, 0.f};
   float dot = 0.f;  // this thread's share of <dS, S>
@@ -92,13 +92,13 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
         stage_op<kVec, true, false>(
             sA, sA, kk, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * ldn + n0 + k]) : 0.f; },
             [&](int i, int k, float(&v)[8]) { load8(C + i * ldn + n0 + k, i < u.len && k < kn, v); });
-        stage_op<kVec, false, true>(
-            sB, sL, kk,
+        stage_op<kVec, false, false>(
+            sB, sB, kk,
             [&](int q, int k) {
               if (k >= kn || p0 + q >= P) return 0.f;
               const int64_t e = (n0 + k) * P + p0 + q;  // each entry is staged once per block
-              const float v = st[e];
-              dot += v * ds[e];
+              const float v = to_f32(st[e]);
+              dot += v * to_f32(ds[e]);
               return v;
             },
             [&](int q, int k, float(&v)[8]) {
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
               for (int m = 0; m < 8; ++m) dot += v[m] * d[m];
             });
         __syncthreads();
-        mma_split_b(ay, sA, sB, sL, kk);
+        mma_slab(ay, sA, sB, kk);
         __syncthreads();
       }
       for_each([&](int mi, int ni, int r, int i, int q, int rs, int) {
@@ -125,11 +125,11 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
       stage_op<kVec, true, false>(
           sA, sA, kk, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ldn + n0 + k]) : 0.f; },
           [&](int j, int k, float(&v)[8]) { load8(Bm + j * ldn + n0 + k, j < u.len && k < kn, v); });
-      stage_op<kVec, false, true>(
-          sB, sL, kk, [&](int q, int k) { return k < kn && p0 + q < P ? ds[(n0 + k) * P + p0 + q] : 0.f; },
+      stage_op<kVec, false, false>(
+          sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(ds[(n0 + k) * P + p0 + q]) : 0.f; },
           [&](int q, int k, float(&v)[8]) { load8(ds + (n0 + k) * P + p0 + q, k < kn && p0 + q < P, v); });
       __syncthreads();
-      mma_split_b(ax, sA, sB, sL, kk);
+      mma_slab(ax, sA, sB, kk);
       __syncthreads();
     }
     for_each([&](int mi, int ni, int r, int i, int q, int rs, int) {
@@ -240,10 +240,10 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
 // dB (blockIdx.z = 0) or dC (1) of one (row, group, sub-chunk) and 64 columns of N:
 //   dB(j, n) = Σ_heads w_j dt_j Σ_p x_j[p] dS[n][p] + Σ_i dCB_ij C_i[n]
 //   dC(i, n) = Σ_heads re_i Σ_p dy_i[p] S[n][p]     + Σ_j dCB_ij B_j[n]
-// Each head's product (x or dy as is, dS or S split) is scaled by its row factors and added in
+// Each head's product (x or dy, and dS or S, as stored) is scaled by its row factors and added in
 // head order; then dCB (split) times C or B. Grid: (S * B * G, ceil(N / 64), 2).
 template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams gp, SsdScratch w, const float* states) {
+__global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
     }
     __syncthreads();
     const T* v = (const T*)(is_dc ? gp.dy : p.x) + ((b * p.seqlen + u.t0) * H + h) * P;
-    const float* st = (is_dc ? states : w.dstates) + (bh * S + s) * N * P + n0 * P;  // (n0 + n, p) at [n P + p]
+    const T* st = (is_dc ? states : (const T*)w.dstates) + (bh * S + s) * N * P + n0 * P;  // (n0 + n, p) at [n P + p]
     Acc part;
     part.zero();
 #pragma unroll 1
@@ -285,11 +285,11 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
       stage_op<kVec, true, false>(
           sA, sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(v[i * ldx + k0 + k]) : 0.f; },
           [&](int i, int k, float(&o)[8]) { load8(v + i * ldx + k0 + k, i < u.len && k < kp, o); });
-      stage_op<kVec, true, true>(
-          sB, sL, kk, [&](int n, int k) { return n0 + n < N && k < kp ? st[n * P + k0 + k] : 0.f; },
+      stage_op<kVec, true, false>(
+          sB, sB, kk, [&](int n, int k) { return n0 + n < N && k < kp ? to_f32(st[n * P + k0 + k]) : 0.f; },
           [&](int n, int k, float(&o)[8]) { load8(st + n * P + k0 + k, n0 + n < N && k < kp, o); });
       __syncthreads();
-      mma_split_b(part, sA, sB, sL, kk);
+      mma_slab(part, sA, sB, kk);
       __syncthreads();
     }
     for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
@@ -364,9 +364,8 @@ template <class T>
 void backward(const SsdGradParams& gp, cudaStream_t stream) {
   const SsdParams& p = gp.fwd;
   const int64_t S = p.nsubs(), B = p.batch, H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const SsdScratch w = ssd_cuda_scratch(p, true, (float*)p.workspace);
+  const SsdScratch w = ssd_cuda_scratch(p, true, sizeof(T), (float*)p.workspace);
   const int64_t tiles_n = (N + kT - 1) / kT, tiles_p = (P + kT - 1) / kT;
-  const unsigned pass_blocks = (unsigned)(B * H * cuda::ceil_div(N * P, kPassThreads));
   const dim3 state_grid((unsigned)(B * S * H), (unsigned)(tiles_n * tiles_p));
   const bool has_states = N * P > 0;
   const unsigned thread_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
@@ -376,21 +375,20 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   if (vec) cb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
   else cb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
   // The state entering each sub-chunk.
-  float* states = (float*)p.chunk_states;
+  T* states = (T*)p.chunk_states;
   if (w.states) {
-    states = w.states;
+    states = (T*)w.states;
     if (has_states) {
       if (vec) local_state_kernel<T, false, true><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
       else local_state_kernel<T, false, false><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
-      state_pass_kernel<T, false><<<pass_blocks, kPassThreads, 0, stream>>>(p, w, states, true, nullptr, nullptr);
+      launch_state_pass<T, false>(p, w, states, true, nullptr, nullptr, stream);
     }
   }
   // The gradient of the state leaving each sub-chunk, and dinit.
   if (has_states) {
-    if (vec) local_state_kernel<T, true, true><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, w.dstates);
-    else local_state_kernel<T, true, false><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, w.dstates);
-    state_pass_kernel<T, true><<<pass_blocks, kPassThreads, 0, stream>>>(p, w, w.dstates, false, (const T*)gp.dfinal,
-                                                                          (T*)gp.dinit);
+    if (vec) local_state_kernel<T, true, true><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, (T*)w.dstates);
+    else local_state_kernel<T, true, false><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, (T*)w.dstates);
+    launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
   }
   if (vec) {
     dx_kernel<T, true><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);

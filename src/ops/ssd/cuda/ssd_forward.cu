@@ -14,10 +14,10 @@
 // Speed: every kernel is bound by getting its operands into shared memory, so staging is
 // vectorized (16-byte loads of 8 neighbours, all of a thread's loads issued before its stores;
 // kVec, used when P and N are multiples of 8) and register budgets keep 4-6 blocks per SM. The
-// states (float32, N x P per sub-chunk) are the bulk of the traffic: written by 3, read and
-// rewritten by 4 (which keeps 16 loads per thread in flight), read by 5. At L = 64K (B 1, H 16,
-// P 64, N 128, bf16) on an H100: about 0.5 + 0.45 + 0.7 ms for 3, 4, 5.
-// Workspace (float32, ssd_cuda_scratch): cs, decays, C B^T, and the entering states of the
+// states (N x P per sub-chunk, stored in x's dtype: bfloat16 halves their bytes against float32,
+// and they enter the products once instead of as hi + lo) are the bulk of the traffic: written
+// by 3, read and rewritten by 4 (which keeps 16 loads per thread in flight), read by 5.
+// Workspace (ssd_cuda_scratch): cs, decays, C B^T (float32), and the entering states of the
 // sub-chunks when a chunk has several (otherwise chunk_states holds them).
 #include "ops/ssd/cuda/chunk.cuh"
 
@@ -27,11 +27,11 @@ namespace {
 
 // y for one (row, head, sub-chunk) and 64 columns p of the head dim:
 //   y(i, p) = re_i Σ_n C_i[n] S_enter[n][p]  +  Σ_{j<=i, s_j=s_i} (exp(cs_i - cs_j) cb(i, j) dt_j) x_j[p]
-// The state part first (C as is, S_enter split), scaled by re_i in registers, then the
+// The state part first (C and S_enter as stored), scaled by re_i in registers, then the
 // within-sub-chunk part (the bracket split, x as is) into the same accumulators.
 // Grid: (S * B * H, ceil(P / 64)); block s + S (b H + h).
 template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParams p, SsdScratch w, const float* states) {
+__global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParams p, SsdScratch w, const T* states) {
   using S_t = typename Operand<T>::S;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sL[kLoSize<T>];
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
   const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P + p0;  // step j at x[j H P]
   const T* C = (const T*)p.Cm + ((b * p.seqlen + u.t0) * G + g) * N;       // step i at C[i G N]
   const float* cb = w.cb + ((b * G + g) * S + s) * kT * kT;
-  const float* st = states + (bh * S + s) * N * P + p0;  // entry (n, p) at st[n P + p]
+  const T* st = states + (bh * S + s) * N * P + p0;  // entry (n, p) at st[n P + p]
   Acc acc;
   acc.zero();
   // From the entering state: A(i, n) = C_i[n], B(p, n) = S_enter[n][p].
@@ -62,11 +62,11 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
     stage_op<kVec, true, false>(
         sA, sA, kk, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * G * N + n0 + k]) : 0.f; },
         [&](int i, int k, float(&v)[8]) { load8(C + i * G * N + n0 + k, i < u.len && k < kn, v); });
-    stage_op<kVec, false, true>(
-        sB, sL, kk, [&](int q, int k) { return k < kn && p0 + q < P ? st[(n0 + k) * P + q] : 0.f; },
+    stage_op<kVec, false, false>(
+        sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(st[(n0 + k) * P + q]) : 0.f; },
         [&](int q, int k, float(&v)[8]) { load8(st + (n0 + k) * P + q, k < kn && p0 + q < P, v); });
     __syncthreads();
-    mma_split_b(acc, sA, sB, sL, kk);
+    mma_slab(acc, sA, sB, kk);
     __syncthreads();
   }
   for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] *= re[i]; });
@@ -103,9 +103,9 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
 template <class T>
 void forward(const SsdParams& p, cudaStream_t stream) {
   const int64_t S = p.nsubs(), B = p.batch, H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const SsdScratch w = ssd_cuda_scratch(p, false, (float*)p.workspace);
+  const SsdScratch w = ssd_cuda_scratch(p, false, sizeof(T), (float*)p.workspace);
   // Entering states of the sub-chunks: chunk_states itself when each chunk is one sub-chunk.
-  float* states = w.states ? w.states : (float*)p.chunk_states;
+  T* states = (T*)(w.states ? w.states : p.chunk_states);
   const int64_t tiles_n = (N + kT - 1) / kT, tiles_p = (P + kT - 1) / kT;
   const unsigned prep_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
   if (prep_blocks > 0) prep_kernel<T><<<prep_blocks, 128, 0, stream>>>(p, w);
@@ -118,8 +118,7 @@ void forward(const SsdParams& p, cudaStream_t stream) {
     const dim3 grid((unsigned)(B * S * H), (unsigned)(tiles_n * tiles_p));
     if (vec) local_state_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
     else local_state_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
-    const unsigned pass_blocks = (unsigned)(B * H * cuda::ceil_div(N * P, kPassThreads));
-    state_pass_kernel<T, false><<<pass_blocks, kPassThreads, 0, stream>>>(p, w, states, false, nullptr, nullptr);
+    launch_state_pass<T, false>(p, w, states, false, nullptr, nullptr, stream);
   }
   if (B * S * H * tiles_p > 0) {
     const dim3 grid((unsigned)(B * S * H), (unsigned)tiles_p);

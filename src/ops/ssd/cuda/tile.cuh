@@ -20,11 +20,12 @@
 // element by element, full slabs in batches of pairs whose loads are issued together.
 //
 // Precision of the bfloat16 path: the raw inputs (x, B, C, dy) enter the products exactly, and
-// per-row factors are applied to the float32 accumulators. An operand computed in float32 (a
-// decayed mask, a state, a state gradient) is staged as two bfloat16 halves, hi = bf16(v) and
+// per-row factors are applied to the float32 accumulators. The states and state gradients are
+// stored in x's dtype (rounded once from float32, as chunk_states on the CPU and mamba_ssm's
+// kernels) and enter as stored. An operand computed in the kernel in float32 (a decayed mask, a
+// dCB tile, coefficients times B or C) is staged as two bfloat16 halves, hi = bf16(v) and
 // lo = bf16(v - hi), and multiplied twice (stage_split, mma_split_a/b): about 16 significant
-// bits instead of 8, so the products are as accurate as float32 accumulation allows and the
-// results' error is that of the output rounding.
+// bits instead of 8.
 #pragma once
 #include <type_traits>
 #include "ops/cuda/common.cuh"
