@@ -125,8 +125,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(SsdParams p, S
 //   forward (kGrad false): out(n, p) = Σ_j (w_j dt_j B_j[n]) x_j[p]     (S_leave with S_enter = 0)
 //   backward (kGrad true): out(n, p) = Σ_i (re_i C_i[n]) dy_i[p]        (dS_enter from y's inter-chunk term)
 // The bracket is the computed (split) operand, x or dy enters as is.
-// Grid: (S * B * H, tiles of 64 n x 64 p); block s + S (b H + h). `out` holds (B, H, S, N, P) in
-// x's dtype (the float32 product rounded once).
+// Grid: (S * B * H, ceil(P / 64)); block s + S (b H + h) stages its 64 columns of V once and
+// loops over 64-row tiles of N. `out` holds (B, H, S, N, P) in x's dtype (the float32 product
+// rounded once).
 template <class T, bool kGrad, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinLocal) local_state_kernel(SsdParams p, SsdScratch w, const T* v_src, T* out) {
   using S_t = typename Operand<T>::S;
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, kMinLocal) local_state_kernel(SsdPar
   __shared__ float coef[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
   const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
-  const int64_t tiles_p = (P + kT - 1) / kT, n0 = (blockIdx.y / tiles_p) * kT, p0 = (blockIdx.y % tiles_p) * kT;
+  const int64_t p0 = (int64_t)blockIdx.y * kT;
   const Sub u = sub_of(p, b, s);
   load_steps<T>(p, w, b, h, s, u, sv);
   __syncthreads();
@@ -152,32 +153,37 @@ __global__ void __launch_bounds__(kThreads, kMinLocal) local_state_kernel(SsdPar
   }
   __syncthreads();
   const int64_t ldu = G * N, ldv = H * P;  // between steps
-  const T* U = (const T*)(kGrad ? p.Cm : p.Bm) + ((b * p.seqlen + u.t0) * G + g) * N + n0;
   const T* V = v_src + ((b * p.seqlen + u.t0) * H + h) * P + p0;
   const int ks = round16(u.len);
-  // A(n, j) = coef_j U_j[n], B(p, j) = V_j[p]; both contiguous along n / p in global memory.
-  stage_op<kVec, false, true>(
-      sA, sL, ks,
-      [&](int n, int j) { return j < u.len && n0 + n < N ? coef[j] * to_f32(U[j * ldu + n]) : 0.f; },
-      [&](int n, int j, float(&v)[8]) {
-        load8(U + j * ldu + n, j < u.len && n0 + n < N, v);
-        const float c = coef[j];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] *= c;
-      });
+  // B(p, j) = V_j[p] (contiguous along p in global memory), staged once for every n tile.
   stage_op<kVec, false, false>(
       sB, sB, ks, [&](int q, int j) { return j < u.len && p0 + q < P ? to_f32(V[j * ldv + q]) : 0.f; },
       [&](int q, int j, float(&v)[8]) { load8(V + j * ldv + q, j < u.len && p0 + q < P, v); });
-  __syncthreads();
-  Acc acc;
-  acc.zero();
-  mma_split_a(acc, sA, sL, sB, ks);
   T* o = out + (bh * S + s) * N * P;
-  for_each_pair([&](int mi, int ni, int rp, int n, int q) {
-    const bool ok0 = n0 + n < N && p0 + q < P, ok1 = ok0 && p0 + q + 1 < P;
-    store_pair(o + (n0 + n) * P + p0 + q, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1,
-               ok1 && P % 2 == 0 && reinterpret_cast<uintptr_t>(o) % (2 * sizeof(T)) == 0);
-  });
+  const bool pairs = P % 2 == 0 && reinterpret_cast<uintptr_t>(o) % (2 * sizeof(T)) == 0;
+#pragma unroll 1
+  for (int64_t n0 = 0; n0 < N; n0 += kT) {
+    // A(n, j) = coef_j U_j[n] (contiguous along n).
+    const T* U = (const T*)(kGrad ? p.Cm : p.Bm) + ((b * p.seqlen + u.t0) * G + g) * N + n0;
+    stage_op<kVec, false, true>(
+        sA, sL, ks,
+        [&](int n, int j) { return j < u.len && n0 + n < N ? coef[j] * to_f32(U[j * ldu + n]) : 0.f; },
+        [&](int n, int j, float(&v)[8]) {
+          load8(U + j * ldu + n, j < u.len && n0 + n < N, v);
+          const float c = coef[j];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] *= c;
+        });
+    __syncthreads();
+    Acc acc;
+    acc.zero();
+    mma_split_a(acc, sA, sL, sB, ks);
+    for_each_pair([&](int mi, int ni, int rp, int n, int q) {
+      const bool ok0 = n0 + n < N && p0 + q < P, ok1 = ok0 && p0 + q + 1 < P;
+      store_pair(o + (n0 + n) * P + p0 + q, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1, ok1 && pairs);
+    });
+    __syncthreads();  // every warp is done with sA, sL before the next n tile
+  }
 }
 
 // V consecutive state entries moved as one load or store: 16 bytes (V = 16 / sizeof(T)) or a

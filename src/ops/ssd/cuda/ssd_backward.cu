@@ -26,8 +26,10 @@
 // Speed: as in the forward, staging is vectorized where P and N are multiples of 8 (kVec) and
 // register budgets keep 4-6 blocks per SM. dx_kernel runs its two state products one after the
 // other (Y folded into u before X starts) so that one accumulator tile is live at a time. At
-// L = 64K (B 1, H 16, P 64, N 128, bf16) on an H100, in ms: local_state 0.52, pass 0.42,
-// dx 1.6, dcb 0.33, dbdc 0.8, the rest about 0.15.
+// L = 64K (B 1, H 16, P 64, N 128, bf16) on an H100, ncu, in ms: local_state 0.46, pass 0.20,
+// dx 1.49, dcb 0.39, dbdc 0.65, the rest about 0.15. Two things measured slower there and are
+// not used (BENCHMARKS.md, tenth pass): dx with every raw tile copied by cp.async up front
+// (1.79 ms at 2 blocks an SM), and dx's epilogue in pairs of columns (1.60 ms: more spills).
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -366,7 +368,7 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   const int64_t S = p.nsubs(), B = p.batch, H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
   const SsdScratch w = ssd_cuda_scratch(p, true, sizeof(T), (float*)p.workspace);
   const int64_t tiles_n = (N + kT - 1) / kT, tiles_p = (P + kT - 1) / kT;
-  const dim3 state_grid((unsigned)(B * S * H), (unsigned)(tiles_n * tiles_p));
+  const dim3 state_grid((unsigned)(B * S * H), (unsigned)tiles_p);
   const bool has_states = N * P > 0;
   const unsigned thread_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
 

@@ -115,7 +115,7 @@ void forward(const SsdParams& p, cudaStream_t stream) {
     else cb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
   }
   if (B * S * H * tiles_n * tiles_p > 0) {
-    const dim3 grid((unsigned)(B * S * H), (unsigned)(tiles_n * tiles_p));
+    const dim3 grid((unsigned)(B * S * H), (unsigned)tiles_p);
     if (vec) local_state_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
     else local_state_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
     launch_state_pass<T, false>(p, w, states, false, nullptr, nullptr, stream);
