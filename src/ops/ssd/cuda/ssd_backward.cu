@@ -30,6 +30,7 @@
 // dx 1.49, dcb 0.39, dbdc 0.65, the rest about 0.15. Two things measured slower there and are
 // not used (BENCHMARKS.md, tenth pass): dx with every raw tile copied by cp.async up front
 // (1.79 ms at 2 blocks an SM), and dx's epilogue in pairs of columns (1.60 ms: more spills).
+#include "ops/cuda/cp_async.cuh"
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -180,12 +181,18 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
 
 // dM = dy Xd^T per head of a group (dy x^T, scaled by dt_j), its intra_i terms, and
 // dCB = Σ_heads dM ∘ Gm (64 x 64). Grid: S * B * G blocks; block s + S (b G + g).
+// bfloat16 with kVec (kAsync): dy and x are raw and contiguous along k, so cp.async copies each
+// (head, 64-slab of P) into a second pair of buffers while the previous one multiplies (as
+// dbdc_kernel does).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp, SsdScratch w) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
+  constexpr bool kAsync = kVec && std::is_same_v<T, __nv_bfloat16>;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ __align__(16) S_t sA2[kAsync ? kSlabSize<T> : 1];  // kAsync: the second buffers
+  __shared__ __align__(16) S_t sB2[kAsync ? kSlabSize<T> : 1];
   __shared__ StepVals sv;
   __shared__ float scratch[2 * kT], rowT[kT], colT[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, P = p.headdim, hpg = H / G;
@@ -195,29 +202,8 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
   const int64_t ldx = H * P;
   Acc dcb;
   dcb.zero();
-#pragma unroll 1
-  for (int64_t hh = 0; hh < hpg; ++hh) {
-    const int64_t h = g * hpg + hh;
-    __syncthreads();  // the previous head is done with sv
-    load_steps<T>(p, w, b, h, s, u, sv);
-    __syncthreads();
-    const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P;
-    const T* dy = (const T*)gp.dy + ((b * p.seqlen + u.t0) * H + h) * P;
-    Acc dm;
-    dm.zero();
-#pragma unroll 1
-    for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
-      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
-      stage_op<kVec, true, false>(
-          sA, sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(dy[i * ldx + k0 + k]) : 0.f; },
-          [&](int i, int k, float(&v)[8]) { load8(dy + i * ldx + k0 + k, i < u.len && k < kp, v); });
-      stage_op<kVec, true, false>(
-          sB, sB, kk, [&](int j, int k) { return j < u.len && k < kp ? to_f32(x[j * ldx + k0 + k]) : 0.f; },
-          [&](int j, int k, float(&v)[8]) { load8(x + j * ldx + k0 + k, j < u.len && k < kp, v); });
-      __syncthreads();
-      mma_slab(dm, sA, sB, kk);
-      __syncthreads();
-    }
+  // Head h's dM (in dm) into its intra_i terms and dCB (sv holds head h's steps).
+  auto head_done = [&](int64_t h, const Acc& dm) {
     float rp[4] = {0.f, 0.f, 0.f, 0.f}, cp[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for_each([&](int mi, int ni, int r, int i, int j, int rs, int cs) {
       if (i < u.len && j <= i && sv.seq[i] == sv.seq[j]) {
@@ -232,6 +218,70 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
     col_sums(cp, scratch, colT);
     if (threadIdx.x < kT)
       row_terms(p, w, kIntra, (b * H + h) * S + s)[threadIdx.x] = rowT[threadIdx.x] - colT[threadIdx.x];
+  };
+  if constexpr (kAsync) {
+    using Copy = cuda::TileCopy<kT, kT, kThreads>;
+    constexpr int ld = Operand<T>::kLd;
+    const int kslabs = (int)((P + kSlab - 1) / kSlab), stages = (int)hpg * kslabs;
+    auto bufA = [&](int t) { return t & 1 ? sA2 : sA; };
+    auto bufB = [&](int t) { return t & 1 ? sB2 : sB; };
+    auto slab = [&](int t) { return (int64_t)(t % kslabs) * kSlab; };
+    auto issue = [&](int t) {  // stage t = (head t / kslabs, slab t % kslabs) into buffers t % 2
+      const int64_t h = g * hpg + t / kslabs, k0 = slab(t);
+      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab);
+      const int64_t off = ((b * p.seqlen + u.t0) * H + h) * P + k0;
+      Copy::template rows<ld>(bufA(t), (const T*)gp.dy + off, ldx, 0, u.len, kp);  // A(i, k) = dy_i[k0 + k]
+      Copy::template rows<ld>(bufB(t), (const T*)p.x + off, ldx, 0, u.len, kp);    // B(j, k) = x_j[k0 + k]
+      cuda::cp_async_commit();
+    };
+    issue(0);
+    Acc dm;
+    dm.zero();
+#pragma unroll 1
+    for (int t = 0; t < stages; ++t) {
+      const int64_t h = g * hpg + t / kslabs;
+      if (t % kslabs == 0) load_steps<T>(p, w, b, h, s, u, sv);
+      if (t + 1 < stages) {
+        issue(t + 1);  // its buffers were last read in stage t - 1, which ended with a barrier
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
+      __syncthreads();
+      const int64_t k0 = slab(t);
+      mma_slab(dm, bufA(t), bufB(t), round16((int)(P - k0 < kSlab ? P - k0 : kSlab)));
+      if (t % kslabs == kslabs - 1) {
+        head_done(h, dm);
+        dm.zero();
+      }
+      __syncthreads();  // buffers t % 2 and sv are free
+    }
+  } else {
+#pragma unroll 1
+    for (int64_t hh = 0; hh < hpg; ++hh) {
+      const int64_t h = g * hpg + hh;
+      __syncthreads();  // the previous head is done with sv
+      load_steps<T>(p, w, b, h, s, u, sv);
+      __syncthreads();
+      const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P;
+      const T* dy = (const T*)gp.dy + ((b * p.seqlen + u.t0) * H + h) * P;
+      Acc dm;
+      dm.zero();
+#pragma unroll 1
+      for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
+        const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
+        stage_op<kVec, true, false>(
+            sA, sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(dy[i * ldx + k0 + k]) : 0.f; },
+            [&](int i, int k, float(&v)[8]) { load8(dy + i * ldx + k0 + k, i < u.len && k < kp, v); });
+        stage_op<kVec, true, false>(
+            sB, sB, kk, [&](int j, int k) { return j < u.len && k < kp ? to_f32(x[j * ldx + k0 + k]) : 0.f; },
+            [&](int j, int k, float(&v)[8]) { load8(x + j * ldx + k0 + k, j < u.len && k < kp, v); });
+        __syncthreads();
+        mma_slab(dm, sA, sB, kk);
+        __syncthreads();
+      }
+      head_done(h, dm);
+    }
   }
   float* out = w.dcb + (int64_t)blockIdx.x * kT * kT;
   for_each_pair([&](int mi, int ni, int rp, int i, int j) {
@@ -244,13 +294,19 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
 //   dC(i, n) = Σ_heads re_i Σ_p dy_i[p] S[n][p]     + Σ_j dCB_ij B_j[n]
 // Each head's product (x or dy, and dS or S, as stored) is scaled by its row factors and added in
 // head order; then dCB (split) times C or B. Grid: (S * B * G, ceil(N / 64), 2).
+// bfloat16 with kVec (kAsync): both tiles of every (head, 64-slab of P) are raw and contiguous
+// along k, so cp.async copies them into a second pair of buffers, the next slab's while the
+// current one multiplies, instead of staging each through registers between barriers.
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
+  constexpr bool kAsync = kVec && std::is_same_v<T, __nv_bfloat16>;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sL[kLoSize<T>];
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ __align__(16) S_t sA2[kAsync ? kSlabSize<T> : 1];  // kAsync: the second buffers
+  __shared__ __align__(16) S_t sB2[kAsync ? kSlabSize<T> : 1];
   __shared__ StepVals sv;
   __shared__ float coef[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim, hpg = H / G;
@@ -259,12 +315,8 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
   const bool is_dc = blockIdx.z == 1;
   const Sub u = sub_of(p, b, s);
   const int64_t ldx = H * P, ldn = G * N;
-  Acc acc;
-  acc.zero();
-#pragma unroll 1
-  for (int64_t hh = 0; hh < hpg; ++hh) {
-    const int64_t h = g * hpg + hh, bh = b * H + h;
-    __syncthreads();  // the previous head is done with sv and coef
+  // The row factors of head h into coef (sv, coef free: the caller synchronized).
+  auto head_coef = [&](int64_t h) {
     load_steps<T>(p, w, b, h, s, u, sv);
     __syncthreads();
     if (threadIdx.x < kT) {
@@ -276,25 +328,73 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
       }
       coef[i] = c;
     }
-    __syncthreads();
-    const T* v = (const T*)(is_dc ? gp.dy : p.x) + ((b * p.seqlen + u.t0) * H + h) * P;
-    const T* st = (is_dc ? states : (const T*)w.dstates) + (bh * S + s) * N * P + n0 * P;  // (n0 + n, p) at [n P + p]
+  };
+  Acc acc;
+  acc.zero();
+  if constexpr (kAsync) {
+    using Copy = cuda::TileCopy<kT, kT, kThreads>;
+    constexpr int ld = Operand<T>::kLd;
+    const int kslabs = (int)((P + kSlab - 1) / kSlab), stages = (int)hpg * kslabs;
+    const int nrows = (int)(N - n0 < kT ? N - n0 : kT);
+    auto bufA = [&](int t) { return t & 1 ? sA2 : sA; };
+    auto bufB = [&](int t) { return t & 1 ? sB2 : sB; };
+    auto slab = [&](int t) { return (int64_t)(t % kslabs) * kSlab; };
+    auto issue = [&](int t) {  // stage t = (head t / kslabs, slab t % kslabs) into buffers t % 2
+      const int64_t h = g * hpg + t / kslabs, k0 = slab(t);
+      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab);
+      const T* v = (const T*)(is_dc ? gp.dy : p.x) + ((b * p.seqlen + u.t0) * H + h) * P + k0;
+      const T* st = (is_dc ? states : (const T*)w.dstates) + ((b * H + h) * S + s) * N * P + n0 * P + k0;
+      Copy::template rows<ld>(bufA(t), v, ldx, 0, u.len, kp);   // A(i, k) = v_i[k0 + k]
+      Copy::template rows<ld>(bufB(t), st, P, 0, nrows, kp);    // B(n, k) = S[n0 + n][k0 + k]
+      cuda::cp_async_commit();
+    };
+    issue(0);
     Acc part;
     part.zero();
 #pragma unroll 1
-    for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
-      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
-      stage_op<kVec, true, false>(
-          sA, sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(v[i * ldx + k0 + k]) : 0.f; },
-          [&](int i, int k, float(&o)[8]) { load8(v + i * ldx + k0 + k, i < u.len && k < kp, o); });
-      stage_op<kVec, true, false>(
-          sB, sB, kk, [&](int n, int k) { return n0 + n < N && k < kp ? to_f32(st[n * P + k0 + k]) : 0.f; },
-          [&](int n, int k, float(&o)[8]) { load8(st + n * P + k0 + k, n0 + n < N && k < kp, o); });
+    for (int t = 0; t < stages; ++t) {
+      if (t % kslabs == 0) head_coef(g * hpg + t / kslabs);
+      if (t + 1 < stages) {
+        issue(t + 1);  // its buffers were last read in stage t - 1, which ended with a barrier
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
       __syncthreads();
-      mma_slab(part, sA, sB, kk);
-      __syncthreads();
+      const int64_t k0 = slab(t);
+      mma_slab(part, bufA(t), bufB(t), round16((int)(P - k0 < kSlab ? P - k0 : kSlab)));
+      if (t % kslabs == kslabs - 1) {
+        for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
+        part.zero();
+      }
+      __syncthreads();  // buffers t % 2, sv and coef are free
     }
-    for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
+  } else {
+#pragma unroll 1
+    for (int64_t hh = 0; hh < hpg; ++hh) {
+      const int64_t h = g * hpg + hh, bh = b * H + h;
+      __syncthreads();  // the previous head is done with sv and coef
+      head_coef(h);
+      __syncthreads();
+      const T* v = (const T*)(is_dc ? gp.dy : p.x) + ((b * p.seqlen + u.t0) * H + h) * P;
+      const T* st = (is_dc ? states : (const T*)w.dstates) + (bh * S + s) * N * P + n0 * P;  // (n0 + n, p) at [n P + p]
+      Acc part;
+      part.zero();
+#pragma unroll 1
+      for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
+        const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
+        stage_op<kVec, true, false>(
+            sA, sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(v[i * ldx + k0 + k]) : 0.f; },
+            [&](int i, int k, float(&o)[8]) { load8(v + i * ldx + k0 + k, i < u.len && k < kp, o); });
+        stage_op<kVec, true, false>(
+            sB, sB, kk, [&](int n, int k) { return n0 + n < N && k < kp ? to_f32(st[n * P + k0 + k]) : 0.f; },
+            [&](int n, int k, float(&o)[8]) { load8(st + n * P + k0 + k, n0 + n < N && k < kp, o); });
+        __syncthreads();
+        mma_slab(part, sA, sB, kk);
+        __syncthreads();
+      }
+      for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
+    }
   }
   // dB: A(j, i) = dCB_ij, B(n, i) = C_i[n];  dC: A(i, j) = dCB_ij, B(n, j) = B_j[n].
   const float* dcb = w.dcb + (int64_t)blockIdx.x * kT * kT;
