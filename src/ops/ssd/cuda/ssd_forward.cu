@@ -29,13 +29,20 @@ namespace {
 //   y(i, p) = re_i Σ_n C_i[n] S_enter[n][p]  +  Σ_{j<=i, s_j=s_i} (exp(cs_i - cs_j) cb(i, j) dt_j) x_j[p]
 // The state part first (C and S_enter as stored), scaled by re_i in registers, then the
 // within-sub-chunk part (the bracket split, x as is) into the same accumulators.
+// bfloat16 with kVec (kAsync): the raw tiles (C and S_enter per 64-slab of N, then x) come by
+// cp.async into a second pair of buffers, the next stage's while the current one multiplies; S
+// and x keep global memory's [k][n] layout (mma_slab_kn), and the bracket is staged while x's
+// copy is in flight.
 // Grid: (S * B * H, ceil(P / 64)); block s + S (b H + h).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParams p, SsdScratch w, const T* states) {
   using S_t = typename Operand<T>::S;
+  constexpr bool kAsync = kVec && std::is_same_v<T, __nv_bfloat16>;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sL[kLoSize<T>];
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ __align__(16) S_t sA2[kAsync ? kSlabSize<T> : 1];  // kAsync: the second buffers
+  __shared__ __align__(16) S_t sB2[kAsync ? kSlabSize<T> : 1];
   __shared__ StepVals sv;
   __shared__ float re[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
@@ -55,43 +62,88 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
   const T* st = states + (bh * S + s) * N * P + p0;  // entry (n, p) at st[n P + p]
   Acc acc;
   acc.zero();
-  // From the entering state: A(i, n) = C_i[n], B(p, n) = S_enter[n][p].
-#pragma unroll 1
-  for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
-    const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
-    stage_op<kVec, true, false>(
-        sA, sA, kk, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * G * N + n0 + k]) : 0.f; },
-        [&](int i, int k, float(&v)[8]) { load8(C + i * G * N + n0 + k, i < u.len && k < kn, v); });
-    stage_op<kVec, false, false>(
-        sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(st[(n0 + k) * P + q]) : 0.f; },
-        [&](int q, int k, float(&v)[8]) { load8(st + (n0 + k) * P + q, k < kn && p0 + q < P, v); });
-    __syncthreads();
-    mma_slab(acc, sA, sB, kk);
-    __syncthreads();
-  }
-  for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] *= re[i]; });
-  // Within the sub-chunk: A(i, j) = masked decayed cb times dt_j, B(p, j) = x_j[p].
   const int ks = round16(u.len);
-  stage_op<kVec, true, true>(
-      sA, sL, ks,
-      [&](int i, int j) {
-        return i < u.len && j <= i && sv.seq[i] == sv.seq[j] ? cb[i * kT + j] * expf(sv.cs[i] - sv.cs[j]) * sv.dt[j]
-                                                             : 0.f;
-      },
-      [&](int i, int j, float(&v)[8]) {
-        const bool row = i < u.len && j <= i;
-        load8(cb + i * kT + j, row, v);
-        const float ci = sv.cs[i];
-        const int32_t si = sv.seq[i];
+  // The bracket: masked decayed cb times dt_j, A(i, j) (contiguous along j).
+  auto stage_bracket = [&](S_t* hi) {
+    stage_op<kVec, true, true>(
+        hi, sL, ks,
+        [&](int i, int j) {
+          return i < u.len && j <= i && sv.seq[i] == sv.seq[j] ? cb[i * kT + j] * expf(sv.cs[i] - sv.cs[j]) * sv.dt[j]
+                                                               : 0.f;
+        },
+        [&](int i, int j, float(&v)[8]) {
+          const bool row = i < u.len && j <= i;
+          load8(cb + i * kT + j, row, v);
+          const float ci = sv.cs[i];
+          const int32_t si = sv.seq[i];
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          v[e] = row && j + e <= i && si == sv.seq[j + e] ? v[e] * expf(ci - sv.cs[j + e]) * sv.dt[j + e] : 0.f;
-      });
-  stage_op<kVec, false, false>(
-      sB, sB, ks, [&](int q, int j) { return j < u.len && p0 + q < P ? to_f32(x[j * H * P + q]) : 0.f; },
-      [&](int q, int j, float(&v)[8]) { load8(x + j * H * P + q, j < u.len && p0 + q < P, v); });
-  __syncthreads();
-  mma_split_a(acc, sA, sL, sB, ks);
+          for (int e = 0; e < 8; ++e)
+            v[e] = row && j + e <= i && si == sv.seq[j + e] ? v[e] * expf(ci - sv.cs[j + e]) * sv.dt[j + e] : 0.f;
+        });
+  };
+  if constexpr (kAsync) {
+    using Copy = cuda::TileCopy<kT, kT, kThreads>;
+    constexpr int ld = Operand<T>::kLd;
+    const int slabs = (int)((N + kSlab - 1) / kSlab), stages = slabs + 1;
+    const int kp = (int)(P - p0 < kT ? P - p0 : kT);
+    auto kn = [&](int t) { return (int)(N - t * kSlab < kSlab ? N - t * kSlab : kSlab); };
+    auto bufA = [&](int t) { return t & 1 ? sA2 : sA; };
+    auto bufB = [&](int t) { return t & 1 ? sB2 : sB; };
+    // Stage t < slabs: A(i, n) = C_i[n], B = S_enter rows n ([k][n]); stage slabs: A = the
+    // bracket (hi in bufA, lo in sL), B = x rows j ([k][n]).
+    auto issue = [&](int t) {
+      if (t < slabs) {
+        Copy::template rows<ld>(bufA(t), C + t * kSlab, G * N, 0, u.len, kn(t));
+        Copy::template rows<ld>(bufB(t), st + (int64_t)t * kSlab * P, P, 0, kn(t), kp);
+      } else {
+        Copy::template rows<ld>(bufB(t), x, H * P, 0, u.len, kp);
+      }
+      cuda::cp_async_commit();
+      if (t == slabs) stage_bracket(bufA(t));  // its buffer was last read in stage t - 2
+    };
+    issue(0);
+#pragma unroll 1
+    for (int t = 0; t < stages; ++t) {
+      if (t + 1 < stages) {
+        issue(t + 1);
+        cuda::cp_async_wait<1>();
+      } else {
+        cuda::cp_async_wait<0>();
+      }
+      __syncthreads();
+      if (t < slabs) {
+        mma_slab_kn(acc, bufA(t), bufB(t), round16(kn(t)));
+      } else {
+        for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] *= re[i]; });
+        mma_slab_kn(acc, bufA(t), bufB(t), ks);
+        mma_slab_kn(acc, sL, bufB(t), ks);
+      }
+      __syncthreads();  // buffers t % 2 are free
+    }
+  } else {
+    // From the entering state: A(i, n) = C_i[n], B(p, n) = S_enter[n][p].
+#pragma unroll 1
+    for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
+      const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
+      stage_op<kVec, true, false>(
+          sA, sA, kk, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * G * N + n0 + k]) : 0.f; },
+          [&](int i, int k, float(&v)[8]) { load8(C + i * G * N + n0 + k, i < u.len && k < kn, v); });
+      stage_op<kVec, false, false>(
+          sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(st[(n0 + k) * P + q]) : 0.f; },
+          [&](int q, int k, float(&v)[8]) { load8(st + (n0 + k) * P + q, k < kn && p0 + q < P, v); });
+      __syncthreads();
+      mma_slab(acc, sA, sB, kk);
+      __syncthreads();
+    }
+    for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] *= re[i]; });
+    // Within the sub-chunk: A(i, j) = the bracket, B(p, j) = x_j[p].
+    stage_bracket(sA);
+    stage_op<kVec, false, false>(
+        sB, sB, ks, [&](int q, int j) { return j < u.len && p0 + q < P ? to_f32(x[j * H * P + q]) : 0.f; },
+        [&](int q, int j, float(&v)[8]) { load8(x + j * H * P + q, j < u.len && p0 + q < P, v); });
+    __syncthreads();
+    mma_split_a(acc, sA, sL, sB, ks);
+  }
   T* y = (T*)p.y + ((b * p.seqlen + u.t0) * H + h) * P + p0;
   const bool pairs = kVec && reinterpret_cast<uintptr_t>(y) % 4 == 0;  // P even: every pair is aligned too
   for_each_pair([&](int mi, int ni, int rp, int i, int q) {

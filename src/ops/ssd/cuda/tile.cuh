@@ -29,6 +29,8 @@
 #pragma once
 #include <type_traits>
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/cp_async.cuh"
+#include "ops/cuda/mma_bf16.cuh"
 
 namespace hax::ops::ssd_cuda {
 
@@ -182,6 +184,38 @@ __device__ __forceinline__ void mma_slab(Acc& acc, const __nv_bfloat16* A, const
       const __nv_bfloat16* p = Bw + ni * 8 * ld + k;
       b[ni][0] = load_pair(p);      // column g, k 2t, 2t+1
       b[ni][1] = load_pair(p + 8);  // column g, k 2t+8, 2t+9
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) mma_16816(acc.v[mi][ni], a[mi], b[ni]);
+  }
+}
+
+// acc += A B over k < ks (a multiple of 16) with B stored [k][n] (rows kLd apart), as a raw
+// operand copies in from global memory contiguous along n: its fragments come by
+// ldmatrix.x4.trans, each instruction the k16 x n16 block of two 8-column mma tiles.
+__device__ __forceinline__ void mma_slab_kn(Acc& acc, const __nv_bfloat16* A, const __nv_bfloat16* B, int ks) {
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+  const int lane = lane_id(), g = lane >> 2, t2 = (lane & 3) * 2;
+  const __nv_bfloat16* Aw = A + (warp_m() * 32 + g) * ld + t2;
+  // Lane l addresses row (l % 8) of matrix l / 8: k + 8 ((l / 8) % 2) + l % 8, columns n + 8 (l / 16).
+  const __nv_bfloat16* Bl = B + (((lane >> 3) & 1) * 8 + (lane & 7)) * ld + warp_n() * 32 + (lane >> 4) * 8;
+  for (int k = 0; k < ks; k += 16) {
+    uint32_t a[2][4], b[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const __nv_bfloat16* p = Aw + mi * 16 * ld + k;
+      a[mi][0] = load_pair(p);
+      a[mi][1] = load_pair(p + 8 * ld);
+      a[mi][2] = load_pair(p + 8);
+      a[mi][3] = load_pair(p + 8 * ld + 8);
+    }
+#pragma unroll
+    for (int nj = 0; nj < 2; ++nj) {
+      uint32_t r[4];
+      cuda::mma::ldsm_x4<true>(r, Bl + k * ld + nj * 16);
+      b[2 * nj][0] = r[0], b[2 * nj][1] = r[1], b[2 * nj + 1][0] = r[2], b[2 * nj + 1][1] = r[3];
     }
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
