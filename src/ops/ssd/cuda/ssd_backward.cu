@@ -25,11 +25,13 @@
 // Every reduction has a fixed order: the backward is deterministic.
 // Speed: as in the forward, staging is vectorized where P and N are multiples of 8 (kVec) and
 // register budgets keep 4-6 blocks per SM. dx_kernel runs its two state products one after the
-// other (Y folded into u before X starts) so that one accumulator tile is live at a time. At
-// L = 64K (B 1, H 16, P 64, N 128, bf16) on an H100, ncu, in ms: local_state 0.46, pass 0.20,
-// dx 1.49, dcb 0.39, dbdc 0.65, the rest about 0.15. Two things measured slower there and are
-// not used (BENCHMARKS.md, tenth pass): dx with every raw tile copied by cp.async up front
-// (1.79 ms at 2 blocks an SM), and dx's epilogue in pairs of columns (1.60 ms: more spills).
+// other (Y folded into u before X starts) so that one accumulator tile is live at a time. dcb
+// and dbdc (bfloat16) copy their raw tiles by cp.async, the next head's while the current one
+// multiplies. At L = 64K (B 1, H 16, P 64, N 128, bf16) on an H100, ncu, in ms: local_state 0.46,
+// pass 0.20, dx 1.50, dcb 0.29, dbdc 0.52, the rest about 0.15. Three forms of dx measured no
+// faster there and are not used (BENCHMARKS.md, tenth pass): every raw tile copied by cp.async
+// up front (1.79 ms at 2 blocks an SM; branch exp/ssd-async), the stages double-buffered as in
+// dbdc (1.53; exp/ssd-dx-stages), and the epilogue in pairs of columns (1.60: more spills).
 #include "ops/cuda/cp_async.cuh"
 #include "ops/ssd/cuda/chunk.cuh"
 

@@ -16,7 +16,9 @@
 // kVec, used when P and N are multiples of 8) and register budgets keep 4-6 blocks per SM. The
 // states (N x P per sub-chunk, stored in x's dtype: bfloat16 halves their bytes against float32,
 // and they enter the products once instead of as hi + lo) are the bulk of the traffic: written
-// by 3, read and rewritten by 4 (which keeps 16 loads per thread in flight), read by 5.
+// by 3, read and rewritten by 4 (16-byte accesses, 16 loads per thread in flight), read by 5,
+// which (bfloat16) copies its raw tiles by cp.async, a stage ahead. At L = 64K (B 1, H 16, P 64,
+// N 128, bf16) on an H100, ncu: local_state 0.46, pass 0.21, chunk_scan 0.51 ms.
 // Workspace (ssd_cuda_scratch): cs, decays, C B^T (float32), and the entering states of the
 // sub-chunks when a chunk has several (otherwise chunk_states holds them).
 #include "ops/ssd/cuda/chunk.cuh"
