@@ -32,7 +32,6 @@
 // faster there and are not used (BENCHMARKS.md, tenth pass): every raw tile copied by cp.async
 // up front (1.79 ms at 2 blocks an SM; branch exp/ssd-async), the stages double-buffered as in
 // dbdc (1.53; exp/ssd-dx-stages), and the epilogue in pairs of columns (1.60: more spills).
-#include "ops/cuda/cp_async.cuh"
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -222,42 +221,27 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
       row_terms(p, w, kIntra, (b * H + h) * S + s)[threadIdx.x] = rowT[threadIdx.x] - colT[threadIdx.x];
   };
   if constexpr (kAsync) {
-    using Copy = cuda::TileCopy<kT, kT, kThreads>;
-    constexpr int ld = Operand<T>::kLd;
-    const int kslabs = (int)((P + kSlab - 1) / kSlab), stages = (int)hpg * kslabs;
-    auto bufA = [&](int t) { return t & 1 ? sA2 : sA; };
-    auto bufB = [&](int t) { return t & 1 ? sB2 : sB; };
-    auto slab = [&](int t) { return (int64_t)(t % kslabs) * kSlab; };
-    auto issue = [&](int t) {  // stage t = (head t / kslabs, slab t % kslabs) into buffers t % 2
-      const int64_t h = g * hpg + t / kslabs, k0 = slab(t);
-      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab);
-      const int64_t off = ((b * p.seqlen + u.t0) * H + h) * P + k0;
-      Copy::template rows<ld>(bufA(t), (const T*)gp.dy + off, ldx, 0, u.len, kp);  // A(i, k) = dy_i[k0 + k]
-      Copy::template rows<ld>(bufB(t), (const T*)p.x + off, ldx, 0, u.len, kp);    // B(j, k) = x_j[k0 + k]
+    const HeadSlabs<S_t> hs{sA, sA2, sB, sB2, (int)((P + kSlab - 1) / kSlab), P};
+    auto issue = [&](int t) {
+      const int64_t off = ((b * p.seqlen + u.t0) * H + g * hpg + hs.head(t)) * P + hs.k0(t);
+      hs.copy(hs.A(t), (const T*)gp.dy + off, ldx, u.len, hs.kp(t));  // A(i, k) = dy_i[k0 + k]
+      hs.copy(hs.B(t), (const T*)p.x + off, ldx, u.len, hs.kp(t));    // B(j, k) = x_j[k0 + k]
       cuda::cp_async_commit();
     };
-    issue(0);
     Acc dm;
     dm.zero();
-#pragma unroll 1
-    for (int t = 0; t < stages; ++t) {
-      const int64_t h = g * hpg + t / kslabs;
-      if (t % kslabs == 0) load_steps<T>(p, w, b, h, s, u, sv);
-      if (t + 1 < stages) {
-        issue(t + 1);  // its buffers were last read in stage t - 1, which ended with a barrier
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
-      __syncthreads();
-      const int64_t k0 = slab(t);
-      mma_slab(dm, bufA(t), bufB(t), round16((int)(P - k0 < kSlab ? P - k0 : kSlab)));
-      if (t % kslabs == kslabs - 1) {
-        head_done(h, dm);
-        dm.zero();
-      }
-      __syncthreads();  // buffers t % 2 and sv are free
-    }
+    run_pipeline(
+        (int)hpg * hs.slabs, issue,
+        [&](int t) {
+          if (hs.first(t)) load_steps<T>(p, w, b, g * hpg + hs.head(t), s, u, sv);
+        },
+        [&](int t) {
+          mma_slab(dm, hs.A(t), hs.B(t), round16(hs.kp(t)));
+          if (hs.last(t)) {
+            head_done(g * hpg + hs.head(t), dm);
+            dm.zero();
+          }
+        });
   } else {
 #pragma unroll 1
     for (int64_t hh = 0; hh < hpg; ++hh) {
@@ -269,19 +253,7 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
       const T* dy = (const T*)gp.dy + ((b * p.seqlen + u.t0) * H + h) * P;
       Acc dm;
       dm.zero();
-#pragma unroll 1
-      for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
-        const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
-        stage_op<kVec, true, false>(
-            sA, sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(dy[i * ldx + k0 + k]) : 0.f; },
-            [&](int i, int k, float(&v)[8]) { load8(dy + i * ldx + k0 + k, i < u.len && k < kp, v); });
-        stage_op<kVec, true, false>(
-            sB, sB, kk, [&](int j, int k) { return j < u.len && k < kp ? to_f32(x[j * ldx + k0 + k]) : 0.f; },
-            [&](int j, int k, float(&v)[8]) { load8(x + j * ldx + k0 + k, j < u.len && k < kp, v); });
-        __syncthreads();
-        mma_slab(dm, sA, sB, kk);
-        __syncthreads();
-      }
+      product_over_k<kVec>(dm, sA, sB, dy, ldx, u.len, x, ldx, u.len, P);  // A(i, k) = dy_i, B(j, k) = x_j
       head_done(h, dm);
     }
   }
@@ -334,43 +306,30 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
   Acc acc;
   acc.zero();
   if constexpr (kAsync) {
-    using Copy = cuda::TileCopy<kT, kT, kThreads>;
-    constexpr int ld = Operand<T>::kLd;
-    const int kslabs = (int)((P + kSlab - 1) / kSlab), stages = (int)hpg * kslabs;
+    const HeadSlabs<S_t> hs{sA, sA2, sB, sB2, (int)((P + kSlab - 1) / kSlab), P};
     const int nrows = (int)(N - n0 < kT ? N - n0 : kT);
-    auto bufA = [&](int t) { return t & 1 ? sA2 : sA; };
-    auto bufB = [&](int t) { return t & 1 ? sB2 : sB; };
-    auto slab = [&](int t) { return (int64_t)(t % kslabs) * kSlab; };
-    auto issue = [&](int t) {  // stage t = (head t / kslabs, slab t % kslabs) into buffers t % 2
-      const int64_t h = g * hpg + t / kslabs, k0 = slab(t);
-      const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab);
+    auto issue = [&](int t) {
+      const int64_t h = g * hpg + hs.head(t), k0 = hs.k0(t);
       const T* v = (const T*)(is_dc ? gp.dy : p.x) + ((b * p.seqlen + u.t0) * H + h) * P + k0;
       const T* st = (is_dc ? states : (const T*)w.dstates) + ((b * H + h) * S + s) * N * P + n0 * P + k0;
-      Copy::template rows<ld>(bufA(t), v, ldx, 0, u.len, kp);   // A(i, k) = v_i[k0 + k]
-      Copy::template rows<ld>(bufB(t), st, P, 0, nrows, kp);    // B(n, k) = S[n0 + n][k0 + k]
+      hs.copy(hs.A(t), v, ldx, u.len, hs.kp(t));  // A(i, k) = v_i[k0 + k]
+      hs.copy(hs.B(t), st, P, nrows, hs.kp(t));   // B(n, k) = S[n0 + n][k0 + k]
       cuda::cp_async_commit();
     };
-    issue(0);
     Acc part;
     part.zero();
-#pragma unroll 1
-    for (int t = 0; t < stages; ++t) {
-      if (t % kslabs == 0) head_coef(g * hpg + t / kslabs);
-      if (t + 1 < stages) {
-        issue(t + 1);  // its buffers were last read in stage t - 1, which ended with a barrier
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
-      __syncthreads();
-      const int64_t k0 = slab(t);
-      mma_slab(part, bufA(t), bufB(t), round16((int)(P - k0 < kSlab ? P - k0 : kSlab)));
-      if (t % kslabs == kslabs - 1) {
-        for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
-        part.zero();
-      }
-      __syncthreads();  // buffers t % 2, sv and coef are free
-    }
+    run_pipeline(
+        (int)hpg * hs.slabs, issue,
+        [&](int t) {
+          if (hs.first(t)) head_coef(g * hpg + hs.head(t));
+        },
+        [&](int t) {
+          mma_slab(part, hs.A(t), hs.B(t), round16(hs.kp(t)));
+          if (hs.last(t)) {
+            for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
+            part.zero();
+          }
+        });
   } else {
 #pragma unroll 1
     for (int64_t hh = 0; hh < hpg; ++hh) {
@@ -382,19 +341,8 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
       const T* st = (is_dc ? states : (const T*)w.dstates) + (bh * S + s) * N * P + n0 * P;  // (n0 + n, p) at [n P + p]
       Acc part;
       part.zero();
-#pragma unroll 1
-      for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
-        const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
-        stage_op<kVec, true, false>(
-            sA, sA, kk, [&](int i, int k) { return i < u.len && k < kp ? to_f32(v[i * ldx + k0 + k]) : 0.f; },
-            [&](int i, int k, float(&o)[8]) { load8(v + i * ldx + k0 + k, i < u.len && k < kp, o); });
-        stage_op<kVec, true, false>(
-            sB, sB, kk, [&](int n, int k) { return n0 + n < N && k < kp ? to_f32(st[n * P + k0 + k]) : 0.f; },
-            [&](int n, int k, float(&o)[8]) { load8(st + n * P + k0 + k, n0 + n < N && k < kp, o); });
-        __syncthreads();
-        mma_slab(part, sA, sB, kk);
-        __syncthreads();
-      }
+      const int rows = (int)(N - n0 < kT ? N - n0 : kT);
+      product_over_k<kVec>(part, sA, sB, v, ldx, u.len, st, P, rows, P);  // A(i, k) = v_i, B(n, k) = S[n0 + n]
       for_each([&](int mi, int ni, int r, int i, int, int, int) { acc.v[mi][ni][r] += coef[i] * part.v[mi][ni][r]; });
     }
   }

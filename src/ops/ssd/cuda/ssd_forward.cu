@@ -103,16 +103,7 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
       cuda::cp_async_commit();
       if (t == slabs) stage_bracket(bufA(t));  // its buffer was last read in stage t - 2
     };
-    issue(0);
-#pragma unroll 1
-    for (int t = 0; t < stages; ++t) {
-      if (t + 1 < stages) {
-        issue(t + 1);
-        cuda::cp_async_wait<1>();
-      } else {
-        cuda::cp_async_wait<0>();
-      }
-      __syncthreads();
+    run_pipeline(stages, issue, [](int) {}, [&](int t) {
       if (t < slabs) {
         mma_slab_kn(acc, bufA(t), bufB(t), round16(kn(t)));
       } else {
@@ -120,8 +111,7 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
         mma_slab_kn(acc, bufA(t), bufB(t), ks);
         mma_slab_kn(acc, sL, bufB(t), ks);
       }
-      __syncthreads();  // buffers t % 2 are free
-    }
+    });
   } else {
     // From the entering state: A(i, n) = C_i[n], B(p, n) = S_enter[n][p].
 #pragma unroll 1

@@ -532,4 +532,68 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// acc += A B^T over k < P, 64 at a time, staged through registers: A(r, k) = a[r lda + k] for
+// r < ra and B(r, k) = b[r ldb + k] for r < rb, both raw and contiguous along k (zeros elsewhere).
+template <bool kVec, class S, class T>
+__device__ __forceinline__ void product_over_k(Acc& acc, S* sA, S* sB, const T* a, int64_t lda, int ra, const T* b,
+                                               int64_t ldb, int rb, int64_t P) {
+#pragma unroll 1
+  for (int64_t k0 = 0; k0 < P; k0 += kSlab) {
+    const int kp = (int)(P - k0 < kSlab ? P - k0 : kSlab), kk = round16(kp);
+    stage_op<kVec, true, false>(
+        sA, sA, kk, [&](int r, int k) { return r < ra && k < kp ? to_f32(a[r * lda + k0 + k]) : 0.f; },
+        [&](int r, int k, float(&v)[8]) { load8(a + r * lda + k0 + k, r < ra && k < kp, v); });
+    stage_op<kVec, true, false>(
+        sB, sB, kk, [&](int r, int k) { return r < rb && k < kp ? to_f32(b[r * ldb + k0 + k]) : 0.f; },
+        [&](int r, int k, float(&v)[8]) { load8(b + r * ldb + k0 + k, r < rb && k < kp, v); });
+    __syncthreads();
+    mma_slab(acc, sA, sB, kk);
+    __syncthreads();
+  }
+}
+
+// A block's double-buffered pipeline of `stages` stages: issue(t) makes stage t's cp.async
+// copies into buffers t % 2 and commits them as one group; begin(t) runs before stage t's wait
+// (per-stage setup, overlapping the copies), compute(t) after the barrier that makes stage t's
+// tiles visible, and a barrier ends each stage, so that issue(t + 2) may reuse its buffers.
+template <class Issue, class Begin, class Compute>
+__device__ __forceinline__ void run_pipeline(int stages, Issue&& issue, Begin&& begin, Compute&& compute) {
+  issue(0);
+#pragma unroll 1
+  for (int t = 0; t < stages; ++t) {
+    begin(t);
+    if (t + 1 < stages) {
+      issue(t + 1);
+      cuda::cp_async_wait<1>();
+    } else {
+      cuda::cp_async_wait<0>();
+    }
+    __syncthreads();
+    compute(t);
+    __syncthreads();
+  }
+}
+
+// The stages of a per-head loop over the 64-slabs of P, for run_pipeline: stage t is slab
+// t % slabs of the group's head t / slabs, with its A and B tiles in buffers t % 2, copied by
+// copy(dst, src, ld, rows, kp) (cp.async of the first `rows` rows and kp columns, zeros beyond).
+template <class S>
+struct HeadSlabs {
+  S *a0, *a1, *b0, *b1;  // the two buffers of each operand
+  int slabs;             // ceil(P / 64)
+  int64_t P;             // head dim
+
+  __device__ __forceinline__ S* A(int t) const { return t & 1 ? a1 : a0; }
+  __device__ __forceinline__ S* B(int t) const { return t & 1 ? b1 : b0; }
+  __device__ __forceinline__ int head(int t) const { return t / slabs; }
+  __device__ __forceinline__ bool first(int t) const { return t % slabs == 0; }
+  __device__ __forceinline__ bool last(int t) const { return t % slabs == slabs - 1; }
+  __device__ __forceinline__ int64_t k0(int t) const { return (int64_t)(t % slabs) * kSlab; }
+  __device__ __forceinline__ int kp(int t) const { return (int)(P - k0(t) < kSlab ? P - k0(t) : kSlab); }
+  // Copies raw rows (contiguous along k) into a tile of the 64 x 64 tile layout.
+  static __device__ __forceinline__ void copy(S* dst, const S* src, int64_t ld, int rows, int kp) {
+    cuda::TileCopy<kT, kT, kThreads>::template rows<Operand<S>::kLd>(dst, src, ld, 0, rows, kp);
+  }
+};
+
 }  // namespace hax::ops::ssd_cuda
