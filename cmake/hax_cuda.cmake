@@ -28,14 +28,8 @@ if(NOT HAX_CUDA_MODE STREQUAL "OFF")
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      # H100 / H200 (Hopper) with its architecture-specific instructions (wgmma; "a": no PTX for
-      # later GPUs). For other GPUs pass -DCMAKE_CUDA_ARCHITECTURES=...: the kernels then take
-      # their mma.sync paths. A cache entry, not a normal variable: enable_language(CUDA) caches
-      # nvcc's default (sm_75 with CMake 4) when the cache has none, and a later configure of the
-      # same build directory would then find that entry and build for it.
-      set(CMAKE_CUDA_ARCHITECTURES 90a CACHE STRING "CUDA architectures of the hax kernels (default 90a: H100 / H200)")
-    endif()
+    # The default architecture (90a) is set in hax_deps.cmake, before LibTorch's config enables
+    # CUDA and caches nvcc's default.
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(HAX_CUDA_KERNELS ON)

@@ -16,6 +16,15 @@ if(NOT Torch_DIR)
     endif()
   endif()
 endif()
+# The CUDA architecture of the hax kernels, H100 / H200 (Hopper) with its architecture-specific
+# instructions (wgmma; "a": no PTX for later GPUs); for other GPUs pass -DCMAKE_CUDA_ARCHITECTURES=...
+# (the kernels then take their mma.sync paths). Set here, before find_package(Torch): a CUDA
+# LibTorch's config enables the CUDA language, which caches nvcc's default (sm_75 with CMake 4)
+# when the cache has no entry. On the H100 that default was cached and every kernel was compiled
+# twice, for sm_75 and for the sm_90a that LibTorch's TORCH_CUDA_ARCH_LIST flags add.
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT HAX_CUDA STREQUAL "OFF")
+  set(CMAKE_CUDA_ARCHITECTURES 90a CACHE STRING "CUDA architectures of the hax kernels (default 90a: H100 / H200)")
+endif()
 find_package(Torch REQUIRED)
 message(STATUS "hax: Torch ${Torch_VERSION} at ${Torch_DIR}")
 # LibTorch's exported flags (e.g. -D_GLIBCXX_USE_CXX11_ABI) must reach every target.
