@@ -835,6 +835,41 @@ TEST(PatternCuda, LshBucketsEqualCpu) {
         }
 }
 
+// The projection kernel's other paths: more than one pass of 512 (position, head) rows per tile
+// (the first H = 12 pass ends inside a position), rows longer than one staged chunk (N = 40, 64,
+// 70), N not a multiple of the 16-byte vector (element-wise copies), x a view of wider rows
+// (padded heads), more than 8 columns (h = 12) and h > 64 (project_kernel).
+TEST(PatternCuda, LshBucketsShapesEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(212);
+  const int64_t B = 2;
+  struct Case {
+    int64_t H, N, pad;  // x = the first N of rows of N + pad
+    pat::Binning binning;
+    int64_t h;
+  };
+  for (Case c : {Case{12, 40, 0, pat::Binning::kSign, 5}, Case{16, 13, 0, pat::Binning::kSign, 3},
+                 Case{9, 64, 8, pat::Binning::kSign, 7}, Case{5, 70, 3, pat::Binning::kArgmax, 12},
+                 Case{2, 24, 0, pat::Binning::kArgmax, 65}})
+    for (int64_t L : {130, 1025})
+      for (bool packed : {false, true}) {
+        SCOPED_TRACE("L=" + std::to_string(L) + " H=" + std::to_string(c.H) + " N=" + std::to_string(c.N) +
+                     " pad=" + std::to_string(c.pad) + " h=" + std::to_string(c.h) +
+                     " packed=" + std::to_string(packed));
+        const at::Tensor seq = packing(B, L, packed);
+        const at::Tensor wide = at::randn({B, L, c.H, c.N + c.pad});
+        const at::Tensor x = wide.narrow(3, 0, c.N);
+        const at::Tensor proj = pat::lsh_projection(c.N, c.h, 9 + c.h);
+        expect_cuda_lists(pat::lsh_buckets(cuda(wide).narrow(3, 0, c.N), cuda(proj), c.binning, cuda(seq)),
+                          pat::lsh_buckets(x, proj, c.binning, seq), "float32 buckets");
+        const at::Tensor wb = wide.to(at::kBFloat16), pb = proj.to(at::kBFloat16);
+        expect_cuda_lists(pat::lsh_buckets(cuda(wb).narrow(3, 0, c.N), cuda(pb), c.binning, cuda(seq)),
+                          pat::lsh_buckets(wb.narrow(3, 0, c.N).to(at::kFloat), pb.to(at::kFloat), c.binning, seq),
+                          "bfloat16 buckets");
+      }
+}
+
 TEST(PatternCuda, LshEqualCpu) {
   HAX_REQUIRE_CUDA();
   PoisonOutputs poison;

@@ -5,11 +5,16 @@
 //
 // The running sums are a segmented scan along positions (reset at every sequence start), per
 // (b, column c = head·h + j), in three steps over tiles of kLshTile positions:
-//   project_tile_kernel  block per (b, tile, group of heads): a thread per kTileRows (position,
-//                        head) rows computes their h values (the rows sharing the loads of proj,
-//                        16-byte loads of x where aligned, up to 8 columns accumulated at once),
-//                        stored in `values` and in shared memory; then a thread per column sums
-//                        the tile since its last sequence start (`tiles`).
+//   project_tile_kernel  block of 128 threads per (b, tile, group of heads), in passes of 512
+//                        (position, head) rows: the rows (64 bytes of each at a time) and proj's
+//                        matching rows are copied by cp.async into shared memory, double buffered;
+//                        a thread accumulates 4 rows x 8 columns, its proj values read as
+//                        broadcasts from shared memory (one per 4 DFMAs). The values go to shared
+//                        memory, where threads 0..63 sum each column over the tile since its last
+//                        sequence start (`tiles`) while threads 64..127 copy them to `values`
+//                        (coalesced). Meant to be bound by the 192 MiB of memory traffic and the
+//                        DFMAs at B=1, L=64K, H=16, N=64, h=8, bfloat16 (~70-90 us on an H100;
+//                        the previous version measured 370 us): not yet measured on the GPU.
 //                        (project_kernel, thread per (b, tile, c), serves h > kTileCols.)
 //   carry_kernel         block per (b, c): an exclusive segmented scan of the tile sums (each thread
 //                        folds kCarryPer consecutive tiles, warp shuffles and the block's warp totals
@@ -27,6 +32,7 @@
 #include <cmath>
 #include <climits>
 
+#include "ops/cuda/cp_async.cuh"
 #include "patterns/cuda/list_utils.cuh"
 
 namespace hax::patterns {
@@ -55,113 +61,198 @@ __device__ __forceinline__ float elem_of(const uint4& v, int e, const __nv_bfloa
   return __uint_as_float(e % 2 ? (w & 0xffff0000u) : (w << 16));  // bfloat16: a float's high half
 }
 
-constexpr int kRowLoads = 2;   // 16-byte loads of a row issued at once
-// Rows per project_tile_kernel thread (H100, 64K x 16 heads x 64, h = 8: 1 row 456 us, 2 rows 308 us).
-constexpr int kTileRows = 2;
+// project_tile_kernel: a block of kProjThreads threads computes passes of kPassRows rows (r =
+// position in tile · nh + head in group), a thread the rows r0 + rr · kProjThreads (rr <
+// kTileRows), kColChunk columns at once: each proj value read feeds kTileRows DFMAs, each x
+// element is converted to double once per column chunk. The rows come kChunkBytes of each at a
+// time through shared memory (two buffers: cp.async fills one while the other is computed,
+// consecutive threads copying consecutive 16-byte pieces), with proj's rows of the chunk beside
+// them, read by every lane at one address (a broadcast).
+constexpr int kProjThreads = 128;
+constexpr int kTileRows = 4;
+constexpr int kPassRows = kProjThreads * kTileRows;  // 512
+constexpr int kChunkBytes = 64;                      // of each row per stage: kPieces 16-byte pieces
+constexpr int kPieces = kChunkBytes / 16;
+constexpr int kSvStride = kColChunk + 1;  // doubles per row of the pass's values (odd: no bank conflicts)
+static_assert(kPieces == 4, "the swizzle below spreads 4 pieces of 8 consecutive rows over the 32 banks");
+static_assert(kProjThreads >= 2 * kTileCols && kProjThreads >= kLshTile, "column and copy threads, resets");
 
-// acc[rr][0..nj) = Σ_m x_rr[m] · proj[m, j0 + jj] for kRows rows x_rr, summed in order of m (the
-// CPU's order). With `vec`, the rows are read 16 bytes at a time (N a multiple of the vector, the
-// rows 16-byte aligned).
-template <class T, int kRows>
-__device__ __forceinline__ void project_rows(const T* const (&xr)[kRows], const double* __restrict__ proj, int64_t N,
-                                             int64_t h, int64_t j0, int nj, bool vec,
-                                             double (&acc)[kRows][kColChunk]) {
-#pragma unroll
-  for (int rr = 0; rr < kRows; ++rr)
-#pragma unroll
-    for (int jj = 0; jj < kColChunk; ++jj) acc[rr][jj] = 0.0;
-  auto add = [&](int64_t m, const float (&xv)[kRows]) {
-    const double* pr = proj + m * h + j0;
-    double pj[kColChunk];
-#pragma unroll
-    for (int jj = 0; jj < kColChunk; ++jj) pj[jj] = jj < nj ? __ldg(pr + jj) : 0.0;
-#pragma unroll
-    for (int rr = 0; rr < kRows; ++rr) {
-      const double xm = (double)xv[rr];
-#pragma unroll
-      for (int jj = 0; jj < kColChunk; ++jj)
-        if (jj < nj) acc[rr][jj] += xm * pj[jj];
-    }
-  };
-  constexpr int V = 16 / sizeof(T);
-  if (vec) {
-    for (int64_t m0 = 0; m0 < N; m0 += kRowLoads * V) {
-      uint4 raw[kRows][kRowLoads];
-#pragma unroll
-      for (int rr = 0; rr < kRows; ++rr)
-#pragma unroll
-        for (int u = 0; u < kRowLoads; ++u)
-          raw[rr][u] = m0 + u * V < N ? __ldg((const uint4*)(xr[rr] + m0 + u * V)) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int u = 0; u < kRowLoads; ++u)
-        if (m0 + u * V < N) {
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            float xv[kRows];
-#pragma unroll
-            for (int rr = 0; rr < kRows; ++rr) xv[rr] = elem_of(raw[rr][u], e, (const T*)nullptr);
-            add(m0 + u * V + e, xv);
-          }
-        }
-    }
-  } else {
-    for (int64_t m = 0; m < N; ++m) {
-      float xv[kRows];
-#pragma unroll
-      for (int rr = 0; rr < kRows; ++rr) xv[rr] = to_f32(xr[rr][m]);
-      add(m, xv);
-    }
+// Shared memory of project_tile_kernel<T> (68 KiB: 3 blocks per SM): xs (2, kPassRows, kPieces)
+// 16-byte pieces, ps (2, kM, kColChunk) doubles, runs (kTileCols) doubles, resets (kLshTile); sv
+// (kPassRows, kSvStride) doubles lies over xs once the pass's elements are consumed.
+template <class T>
+struct ProjSmem {
+  static constexpr int kM = kChunkBytes / (int)sizeof(T);  // elements of a row per stage
+  static constexpr size_t kXs = 2 * kPassRows * kChunkBytes;
+  static constexpr size_t kPs = 2 * kM * kColChunk * sizeof(double);
+  static constexpr size_t kBytes = kXs + kPs + kTileCols * sizeof(double) + kLshTile;
+  static_assert(kPassRows * kSvStride * sizeof(double) <= kXs, "sv fits over xs");
+};
+
+// Piece u of row rl of a stage buffer, swizzled so that the 8 rows of a quarter warp read (and
+// cp.async writes) 8 different 16-byte bank groups.
+__device__ __forceinline__ int piece_at(int rl, int u) { return rl * kPieces + (u ^ ((rl >> 1) & 3)); }
+
+// Rows r, r + step, r + 2·step, ... of a block: r = pi·nh + hl, at offset `off` of x (elements).
+struct RowWalk {
+  int r, hl;
+  int64_t off;
+  int step, dhl;
+  int64_t doff, wrap;  // offset steps: (step / nh, step % nh) rows, and back over nh heads
+  __device__ __forceinline__ RowWalk(const LshBucketsParams& p, int64_t base, int r_, int step_, int nh)
+      : r(r_), hl(r_ % nh), step(step_), dhl(step_ % nh) {
+    off = base + (r_ / nh) * p.x_sl + hl * p.x_sh;
+    doff = (step_ / nh) * p.x_sl + dhl * p.x_sh;
+    wrap = p.x_sl - nh * p.x_sh;
   }
-}
+  __device__ __forceinline__ void next(int nh) {
+    r += step, hl += dhl, off += doff;
+    if (hl >= nh) hl -= nh, off += wrap;
+  }
+};
 
-// Block per (b, tile, group of HB heads), HB·h <= kTileCols; a thread projects kRows rows at once.
-template <class T, int kRows>
-__global__ void project_tile_kernel(LshBucketsParams p, int HB, bool vec) {
-  __shared__ double sv[kLshTile * kTileCols];  // (position in tile, column of the group)
-  __shared__ bool resets[kLshTile];            // the position starts a sequence
+// Block per (b, tile, group of HB heads), HB·h <= kTileCols. Per chunk of kColChunk columns and
+// pass of kPassRows rows: acc[rr][jj] = Σ_m x_r[m] · proj[m, j0 + jj] summed in order of m (the
+// CPU's order; the staged zeros past N and past h add +0 to sums that are never -0, changing
+// nothing); then the values go to sv, and threads [0, kTileCols) continue the column sums of the
+// tile (since its last sequence start) while threads [kTileCols, 2 kTileCols) copy sv to `values`.
+// With `vec`, the rows are copied 16 bytes at a time (N a multiple of the vector, the rows 16-byte
+// aligned), else element by element.
+template <class T>
+__global__ void __launch_bounds__(kProjThreads, 3) project_tile_kernel(LshBucketsParams p, int HB, bool vec) {
+  using S = ProjSmem<T>;
+  constexpr int kM = S::kM, V = 16 / (int)sizeof(T);
+  extern __shared__ uint4 smem[];
+  uint4* xs = smem;
+  double* ps = (double*)(smem + 2 * kPassRows * kPieces);
+  double* runs = ps + 2 * kM * kColChunk;              // column sums carried from pass to pass
+  bool* resets = (bool*)(runs + kTileCols);            // the position starts a sequence
+  double* sv = (double*)smem;
+  const int tid = threadIdx.x;
   const int64_t C = p.H * p.h, nT = lsh_bucket_tiles(p.L), nG = (p.H + HB - 1) / HB;
+  const int h = (int)p.h, nch = (int)((p.N + kM - 1) / kM);
   for (int64_t blk = blockIdx.x; blk < p.B * nT * nG; blk += gridDim.x) {
     const int64_t g = blk % nG, tile = (blk / nG) % nT, b = blk / (nG * nT);
-    const int64_t h0 = g * HB, nh = HB < p.H - h0 ? HB : p.H - h0, cols = nh * p.h;
-    const int64_t t0 = tile * kLshTile, np = t0 + kLshTile < p.L ? kLshTile : p.L - t0;
-    if (threadIdx.x < np) resets[threadIdx.x] = p.start[b * p.L + t0 + threadIdx.x] == t0 + threadIdx.x;
-    // Rows r = (position in tile)·nh + head in group; this thread's: r0 + rr·blockDim.
-    for (int64_t r0 = threadIdx.x; r0 < np * nh; r0 += kRows * (int64_t)blockDim.x) {
-      const T* xr[kRows];
-#pragma unroll
-      for (int rr = 0; rr < kRows; ++rr) {
-        const int64_t r = r0 + rr * (int64_t)blockDim.x < np * nh ? r0 + rr * (int64_t)blockDim.x : r0;
-        xr[rr] = x_row<T>(p, b, t0 + r / nh, h0 + r % nh);
-      }
-      for (int64_t j0 = 0; j0 < p.h; j0 += kColChunk) {
-        const int nj = (int)(p.h - j0 < kColChunk ? p.h - j0 : kColChunk);
-        double acc[kRows][kColChunk];
-        project_rows<T, kRows>(xr, p.proj, p.N, p.h, j0, nj, vec, acc);
-#pragma unroll
-        for (int rr = 0; rr < kRows; ++rr) {
-          const int64_t r = r0 + rr * (int64_t)blockDim.x;
-          if (r >= np * nh) continue;
-          const int64_t pi = r / nh, hl = r % nh;
-          double* dst = p.values + (b * p.L + t0 + pi) * C + (h0 + hl) * p.h;
-#pragma unroll
-          for (int jj = 0; jj < kColChunk; ++jj)
-            if (jj < nj) {
-              dst[j0 + jj] = acc[rr][jj];
-              sv[pi * cols + hl * p.h + j0 + jj] = acc[rr][jj];
+    const int64_t h0 = g * HB, t0 = tile * kLshTile;
+    const int nh = (int)(HB < p.H - h0 ? HB : p.H - h0), np = (int)(t0 + kLshTile < p.L ? kLshTile : p.L - t0);
+    const int nrows = np * nh;
+    const int64_t xbase = b * p.x_sb + t0 * p.x_sl + h0 * p.x_sh;
+    if (tid < np) resets[tid] = p.start[b * p.L + t0 + tid] == t0 + tid;
+    for (int j0 = 0; j0 < h; j0 += kColChunk) {
+      const int nj = h - j0 < kColChunk ? h - j0 : kColChunk;
+      for (int r0 = 0; r0 < nrows; r0 += kPassRows) {
+        const int prow = nrows - r0 < kPassRows ? nrows - r0 : kPassRows;
+        // Stage chunk ch (elements [ch·kM, ch·kM + kM) of the pass's rows, zeros past N and past
+        // prow; proj's rows of them, zeros past N and h) into buffer buf.
+        auto stage = [&](int ch, int buf) {
+          const int64_t m0 = (int64_t)ch * kM;
+          uint4* xb = xs + buf * kPassRows * kPieces;
+          if (vec) {
+            constexpr int kStep = kProjThreads / kPieces, kPer = kPassRows / kStep;
+            const int u = tid % kPieces;
+            const bool in_n = m0 + u * V < p.N;
+            RowWalk w(p, xbase, r0 + tid / kPieces, kStep, nh);
+#pragma unroll 4
+            for (int k = 0; k < kPer; ++k, w.next(nh)) {
+              const bool ok = in_n && w.r < r0 + prow;
+              ops::cuda::cp_async16(xb + piece_at(w.r - r0, u), ok ? (const T*)p.x + w.off + m0 + u * V : p.x, ok);
             }
+          } else {
+            constexpr int kStep = kProjThreads / kM, kPer = kPassRows / kStep, kBatch = 8;
+            const int e = tid % kM;
+            const bool in_n = m0 + e < p.N;
+            RowWalk w(p, xbase, r0 + tid / kM, kStep, nh);
+            for (int k0 = 0; k0 < kPer; k0 += kBatch) {
+              T v[kBatch];
+              int rl[kBatch];
+#pragma unroll
+              for (int k = 0; k < kBatch; ++k, w.next(nh)) {
+                rl[k] = w.r - r0;
+                v[k] = in_n && w.r < r0 + prow ? ((const T*)p.x)[w.off + m0 + e] : T(0.0f);
+              }
+#pragma unroll
+              for (int k = 0; k < kBatch; ++k) ((T*)(xb + piece_at(rl[k], e / V)))[e % V] = v[k];
+            }
+          }
+          double* pb = ps + buf * kM * kColChunk;
+          for (int q = tid; q < kM * kColChunk; q += kProjThreads) {
+            const int64_t m = m0 + q / kColChunk;
+            const int j = q % kColChunk;
+            const bool ok = m < p.N && j < nj;
+            ops::cuda::cp_async8(pb + q, ok ? p.proj + m * h + j0 + j : p.proj, ok);
+          }
+          ops::cuda::cp_async_commit();
+        };
+        double acc[kTileRows][kColChunk];
+#pragma unroll
+        for (int rr = 0; rr < kTileRows; ++rr)
+#pragma unroll
+          for (int q = 0; q < kColChunk; ++q) acc[rr][q] = 0.0;
+        stage(0, 0);
+        for (int ch = 0; ch < nch; ++ch) {
+          ops::cuda::cp_async_wait<0>();
+          __syncthreads();  // chunk ch is in, and the other buffer's chunk ch - 1 is consumed
+          if (ch + 1 < nch) stage(ch + 1, (ch + 1) & 1);
+          const uint4* xb = xs + (ch & 1) * kPassRows * kPieces;
+          const double2* pb = (const double2*)(ps + (ch & 1) * kM * kColChunk);
+#pragma unroll 1
+          for (int u = 0; u < kPieces; ++u) {
+            uint4 raw[kTileRows];
+#pragma unroll
+            for (int rr = 0; rr < kTileRows; ++rr) raw[rr] = xb[piece_at(rr * kProjThreads + tid, u)];
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              double pj[kColChunk];
+#pragma unroll
+              for (int q = 0; q < kColChunk / 2; ++q) {
+                const double2 d = pb[(u * V + e) * (kColChunk / 2) + q];
+                pj[2 * q] = d.x, pj[2 * q + 1] = d.y;
+              }
+#pragma unroll
+              for (int rr = 0; rr < kTileRows; ++rr) {
+                const double xm = (double)elem_of(raw[rr], e, (const T*)nullptr);
+#pragma unroll
+                for (int q = 0; q < kColChunk; ++q) acc[rr][q] += xm * pj[q];
+              }
+            }
+          }
         }
+        __syncthreads();  // the last chunk consumed: sv may overwrite xs
+#pragma unroll
+        for (int rr = 0; rr < kTileRows; ++rr) {
+          const int rl = rr * kProjThreads + tid;
+          if (rl < prow)
+#pragma unroll
+            for (int q = 0; q < kColChunk; ++q)
+              if (q < nj) sv[rl * kSvStride + q] = acc[rr][q];
+        }
+        __syncthreads();
+        // Column c = (head hl, j0 + jj) of the chunk: summed by thread c, copied by thread kTileCols + c.
+        const int c = tid % kTileCols, hl = c / nj, jj = c % nj;
+        if (c < nh * nj) {
+          // Column c's rows r = pi·nh + hl of this pass, in order of position.
+          int pi = r0 / nh;
+          if (pi * nh + hl < r0) ++pi;
+          if (tid < kTileCols) {
+            double run = r0 == 0 ? 0.0 : runs[c];  // the sum since the tile's start or its last sequence start
+#pragma unroll 8
+            for (int r = pi * nh + hl; r < r0 + prow; r += nh, ++pi) {
+              if (resets[pi]) run = 0.0;
+              run += sv[(r - r0) * kSvStride + jj];
+            }
+            if (r0 + kPassRows < nrows)
+              runs[c] = run;
+            else
+              p.tiles[(b * C + (h0 + hl) * h + j0 + jj) * nT + tile] = run;
+          } else {
+            double* dst = p.values + (b * p.L + t0 + pi) * C + (h0 + hl) * h + j0 + jj;
+#pragma unroll 8
+            for (int r = pi * nh + hl; r < r0 + prow; r += nh, dst += C) *dst = sv[(r - r0) * kSvStride + jj];
+          }
+        }
+        __syncthreads();  // sv and resets read
       }
     }
-    __syncthreads();
-    for (int64_t cl = threadIdx.x; cl < cols; cl += blockDim.x) {
-      double run = 0.0;  // sum since the tile's start or its last sequence start
-      for (int64_t pi = 0; pi < np; ++pi) {
-        if (resets[pi]) run = 0.0;
-        run += sv[pi * cols + cl];
-      }
-      p.tiles[(b * C + h0 * p.h + cl) * nT + tile] = run;
-    }
-    __syncthreads();
   }
 }
 
@@ -355,7 +446,10 @@ void lsh_buckets_cuda(const LshBucketsParams& p, DType dtype, void* stream) {
       constexpr int64_t V = 16 / sizeof(scalar_t);
       const bool vec = p.N % V == 0 && p.x_sb % V == 0 && p.x_sl % V == 0 && p.x_sh % V == 0 &&
                        (uintptr_t)p.x % 16 == 0;
-      project_tile_kernel<scalar_t, kTileRows><<<dev::grid_for(p.B * nT * groups, 1), t, 0, st>>>(p, (int)HB, vec);
+      const auto kernel = project_tile_kernel<scalar_t>;
+      constexpr size_t smem = ProjSmem<scalar_t>::kBytes;
+      ops::cuda::allow_smem(kernel, smem, "lsh_buckets (project)");
+      kernel<<<dev::grid_for(p.B * nT * groups, 1), kProjThreads, smem, st>>>(p, (int)HB, vec);
     } else {
       project_kernel<scalar_t><<<dev::grid_for(p.B * nT * C, t), t, 0, st>>>(p);
     }
