@@ -5,9 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "core/rng.h"
+#include "core/error.h"
 #include "layers/host_inputs.h"
+#include "layers/lsh_attention.h"
 #include "ops/attention/attention.h"
 #include "ops/causal_attention/causal_attention.h"
 
@@ -40,12 +44,32 @@ at::Tensor SparseAttentionBranch::lsh_projection(const ForwardContext* ctx) cons
   return patterns::lsh_projection(N_, bits_, derive_seed(ctx ? ctx->seed : 0, 0x15A, (uint64_t)layer_));
 }
 
+at::Tensor SparseAttentionBranch::lsh_projection_input(const at::Tensor& q, const ForwardContext* ctx) const {
+  // Rounded to q's dtype and widened to float64 (the buckets' math) on the host, so the GPU gets
+  // one upload and no conversions. Not waiting for the copy (the source is staged at once; a
+  // blocking copy waits for the GPU).
+  const at::ScalarType dt = q.scalar_type();
+  const int64_t N = N_, bits = bits_, layer = layer_;
+  const HostInputMaker make = [dt, N, bits, layer](const ForwardContext& c) {
+    return patterns::lsh_projection(N, bits, derive_seed(c.seed, 0x15A, (uint64_t)layer)).to(dt).to(at::kDouble);
+  };
+  return host_input(ctx, make, q.device());
+}
+
+patterns::LshBand SparseAttentionBranch::lsh_band(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                                                  const ForwardContext* ctx) const {
+  RECORD_USER_SCOPE("hax::lsh_band");
+  torch::NoGradGuard ng;
+  return patterns::lsh_band(q.detach(), k.detach(), keys_per_part_, lsh_projection_input(q, ctx), binning_, seq_idx);
+}
+
 std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tensor& q, const at::Tensor& k,
                                                                  const at::Tensor& seq_idx, const ForwardContext* ctx,
-                                                                 at::Tensor* ks_scores) {
+                                                                 at::Tensor* ks_scores, bool skip_lsh) {
   const int64_t B = q.size(0), L = q.size(1);
   std::vector<patterns::KeyLists> lists;
   for (const auto& part : parts_) {
+    if (skip_lsh && part == "lsh") continue;
     patterns::KeyLists p;
     if (part == "sw") p = patterns::sliding_window(B, H_, L, keys_per_part_, seq_idx, q.device());
     else if (part == "sink") p = patterns::sink(B, H_, L, keys_per_part_, seq_idx, q.device());
@@ -53,16 +77,7 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
     else if (part == "lsh") {
       RECORD_USER_SCOPE("hax::lsh_lists");
       torch::NoGradGuard ng;
-      // Rounded to q's dtype and widened to float64 (the buckets' math) on the host, so the GPU
-      // gets one upload and no conversions. Not waiting for the copy (the source is staged at
-      // once; a blocking copy waits for the GPU).
-      const at::ScalarType dt = q.scalar_type();
-      const int64_t N = N_, bits = bits_, layer = layer_;
-      const HostInputMaker make = [dt, N, bits, layer](const ForwardContext& c) {
-        return patterns::lsh_projection(N, bits, derive_seed(c.seed, 0x15A, (uint64_t)layer)).to(dt).to(at::kDouble);
-      };
-      const at::Tensor proj = host_input(ctx, make, q.device());
-      p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, proj, binning_, seq_idx);
+      p = patterns::lsh(q.detach(), k.detach(), keys_per_part_, lsh_projection_input(q, ctx), binning_, seq_idx);
     } else if (part == "ks") {
       RECORD_USER_SCOPE("hax::ks_scores_and_lists");
       at::Tensor scores = ks_scores && ks_scores->defined() ? *ks_scores : scorer->forward(k, q, seq_idx);  // (B, L, H)
@@ -76,6 +91,21 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
 }
 
 namespace {
+
+// Whether the GPU runs LSH as a band (layers/lsh_attention.h) for a pattern of `parts` parts:
+// HAX_LSH_BAND unset: LSH alone only (LSH with Key Selection, HAX, measured faster through the
+// merged lists: 7.2 against 8.7 ms fwd+bwd at 64K on the H100, BENCHMARKS.md, eleventh pass);
+// 1: always; 0: never (LSH through its lists, for comparisons).
+bool lsh_as_band(size_t parts) {
+  static const int mode = [] {
+    const char* e = std::getenv("HAX_LSH_BAND");
+    if (!e) return -1;
+    const std::string v(e);
+    HAX_CHECK(v == "0" || v == "1", "HAX_LSH_BAND = '{}' must be 0 (LSH through lists) or 1 (the band)", v);
+    return v == "1" ? 1 : 0;
+  }();
+  return mode < 0 ? parts == 1 : mode == 1;
+}
 
 // The union of every part's lists (q_order: the first part's that has one).
 patterns::KeyLists merge_parts(const std::vector<patterns::KeyLists>& parts) {
@@ -117,6 +147,22 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     return dma_attention(q, k, vh, delta, keys_per_part_, seq_idx, 1.0);
   }
   at::Tensor scores;
+  // GPU: LSH in its band form (layers/lsh_attention.h), without lists. Alone ("lsh"), or (with
+  // HAX_LSH_BAND=1, see lsh_as_band) beside the other parts of a union (HAX's Key Selection):
+  // their lists then drop the keys LSH gives each query (so the two key sets are disjoint) and run
+  // in position order, and the two attentions are joined by their log-sum-exps.
+  const bool has_lsh = std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end();
+  if (has_lsh && vh.is_cuda() && !(ctx && ctx->record) && lsh_as_band(parts_.size())) {
+    const patterns::LshBand band = lsh_band(q, k, seq_idx, ctx);
+    auto [o1, lse1] = lsh_band_attention(q, k, vh, band, 1.0);
+    if (parts_.size() == 1) return o1;
+    const std::vector<patterns::KeyLists> rest = part_lists(q, k, seq_idx, ctx, &scores, /*skip_lsh=*/true);
+    if (scores_out) *scores_out = scores;
+    const patterns::KeyLists others = patterns::exclude_band(merge_parts(rest), band);
+    RECORD_USER_SCOPE("hax::sparse_attention");
+    auto [o2, lse2] = ops::sparse_attention(q, k, vh, others.idx, {}, {}, others.q_order, 1.0);
+    return ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2);
+  }
   std::vector<patterns::KeyLists> parts = part_lists(q, k, seq_idx, ctx, &scores);
   if (scores_out) *scores_out = scores;
   // CPU, HAX (a part computed in a query order of its own, LSH's buckets, beside one in position

@@ -48,14 +48,21 @@ class SparseAttentionBranch : public torch::nn::Module {
   std::pair<at::Tensor, at::Tensor> queries_keys(const at::Tensor& qk_in);
   // The lists of each part of the pattern (one for single patterns; "hax": LSH's, then Key
   // Selection's), with the Key Selection scores as for key_lists.
+  // skip_lsh: leave LSH's part out (the GPU runs it as a band, layers/lsh_attention.h).
   std::vector<patterns::KeyLists> part_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                                             const ForwardContext* ctx, at::Tensor* ks_scores);
+                                             const ForwardContext* ctx, at::Tensor* ks_scores, bool skip_lsh = false);
   // The pattern's key lists for q, k (not for "full"). The Key Selection scores are computed
   // into *ks_scores, or taken from it when it is defined on entry (decoding).
   patterns::KeyLists key_lists(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
                                const ForwardContext* ctx, at::Tensor* ks_scores);
   // The LSH projection this layer uses under ctx's seed.
   at::Tensor lsh_projection(const ForwardContext* ctx) const;
+  // The same in the form the bucket kernels take: rounded to q's dtype, float64, on q's device
+  // (made on the host once per step when ctx holds host inputs).
+  at::Tensor lsh_projection_input(const at::Tensor& q, const ForwardContext* ctx) const;
+  // The LSH band of q, k (patterns::lsh_band) with this layer's projection and keys per part.
+  patterns::LshBand lsh_band(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
+                             const ForwardContext* ctx) const;
 
   torch::nn::Linear qk_proj{nullptr};     // qk_in_dim -> 2·H·N: [K; Q], as the reference's xx_proj
   at::Tensor E;                           // (v_dim) output gate, ones at init

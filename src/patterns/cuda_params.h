@@ -116,6 +116,34 @@ struct LshListsParams {
 };
 void lsh_lists_cuda(const LshListsParams& p, void* stream);
 
+// LSH as a band over the sorted rows (pattern.h, LshBand): for sorted query t (position
+// q_order[t]) the slice [hi - m, hi) of the sorted keys that lsh_lists_cuda lists, as band[0][t] =
+// hi - m and band[1][t] = hi - 1; then for sorted key s the sorted queries that see it, band[2][s]
+// = the first t with band[1][t] >= s and band[3][s] = the last t with band[0][t] <= s (both
+// bounds are non-decreasing in t, so these are binary searches).
+struct LshBandParams {
+  LshListsParams lists;                 // as above; lists.out is unused
+  const int32_t* q_order = nullptr;     // (B, H, L) positions of the queries in sorted order
+  int32_t* band = nullptr;              // out (4, B, H, L)
+};
+void lsh_band_cuda(const LshBandParams& p, void* stream);
+
+// exclude_band (pattern.h): a's lists without the keys the band gives the same query. The sorted
+// rank of every query and key position first (the inverses of q_order and k_order, into the
+// workspace), then a warp per (b, h, i) keeps the keys j of its list whose rank lies outside
+// [band[0][t], band[1][t]], t the rank of i, in their order, and pads with -1.
+struct ExcludeBandParams {
+  int64_t B = 0, H = 0, L = 0, K = 0;
+  const int32_t* idx = nullptr;      // (B, H, L, K) a's lists
+  const int32_t* q_order = nullptr;  // (B, H, L)
+  const int32_t* k_order = nullptr;  // (B, H, L)
+  const int32_t* band = nullptr;     // (4, B, H, L)
+  int32_t* q_rank = nullptr;         // workspace (B, H, L)
+  int32_t* k_rank = nullptr;         // workspace (B, H, L)
+  int32_t* out = nullptr;            // out (B, H, L, K)
+};
+void exclude_band_cuda(const ExcludeBandParams& p, void* stream);
+
 // ---------------------------------------------------------------------------------------------
 // Key Selection: top k scores of the causal prefix of the query's sequence.
 //

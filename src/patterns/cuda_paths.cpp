@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <tuple>
 
 #include "core/error.h"
 #include "ops/backend.h"
@@ -64,15 +65,29 @@ at::Tensor lsh_buckets_device(const at::Tensor& x0, const at::Tensor& proj, Binn
   return out;
 }
 
-KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
-                    const at::Tensor& seq) {
+namespace {
+
+// Buckets of q and k, and every (b, h) row's keys and queries sorted by (sequence, bucket,
+// position): what the lists and the band are read off.
+struct LshSorted {
+  SequenceBounds bounds;
+  at::Tensor bq;           // (B, L, H) query buckets
+  at::Tensor key_sorted;   // (B, H, L) the key sort keys, ascending per row
+  at::Tensor key_pos;      // (B, H, L) their positions
+  at::Tensor query_order;  // (B, H, L) the queries' positions in their sorted order
+  int64_t nb = 0;          // buckets
+  bool keys64 = false;
+  uint64_t row_stride = 0;
+};
+
+LshSorted lsh_sorted(const at::Tensor& q, const at::Tensor& k, const at::Tensor& proj, Binning binning,
+                     const at::Tensor& seq) {
   const at::Device dev = q.device();
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), h = proj.size(1);
-  at::Tensor idx = ops::new_output({B, H, L, keys}, int32_on(dev));
-  if (B * H * L == 0) return {idx, at::empty({B, H, L}, int32_on(dev))};
-  const SequenceBounds bounds = sequence_bounds_device(seq, B, L, dev);
-  const at::Tensor bq = lsh_buckets_device(q, proj, binning, bounds.start);
-  const at::Tensor bk = lsh_buckets_device(k.to(dev), proj, binning, bounds.start);
+  LshSorted out;
+  out.bounds = sequence_bounds_device(seq, B, L, dev);
+  out.bq = lsh_buckets_device(q, proj, binning, out.bounds.start);
+  const at::Tensor bk = lsh_buckets_device(k.to(dev), proj, binning, out.bounds.start);
   const int64_t nb = binning == Binning::kSign ? (int64_t)1 << h : h;
   // Every row's keys are < span = nb·L. One radix sort of all rows when the row fits above them
   // in 64 bits (r·span + key), over the bits that r·span + key can have; else a sort per row.
@@ -93,8 +108,8 @@ KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, cons
     at::Tensor pos = joint ? at::empty({B, H, L}, int32_on(dev)) : at::Tensor();
     LshSortKeysParams p;
     p.B = B, p.L = L, p.H = H, p.num_buckets = nb, p.keys64 = keys64, p.row_stride = joint ? span : 0;
-    p.bucket = bucket.data_ptr<int32_t>(), p.start = bounds.start.data_ptr<int32_t>();
-    p.end = bounds.end.data_ptr<int32_t>(), p.keys = key.data_ptr();
+    p.bucket = bucket.data_ptr<int32_t>(), p.start = out.bounds.start.data_ptr<int32_t>();
+    p.end = out.bounds.end.data_ptr<int32_t>(), p.keys = key.data_ptr();
     p.pos = joint ? pos.data_ptr<int32_t>() : nullptr;
     lsh_sort_keys_cuda(p, stream_of(key));
     if (!joint) {
@@ -110,15 +125,63 @@ KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, cons
     lsh_sort_cuda(sp, stream_of(key));
     return std::make_pair(key_out, pos_out);
   };
-  const auto [key_sorted, key_pos] = sorted(bk);
-  const at::Tensor query_order = sorted(bq).second;  // queries by (sequence, bucket, position)
+  std::tie(out.key_sorted, out.key_pos) = sorted(bk);
+  out.query_order = sorted(out.bq).second;  // queries by (sequence, bucket, position)
+  out.nb = nb, out.keys64 = keys64, out.row_stride = joint ? span : 0;
+  return out;
+}
+
+LshListsParams lists_params(const LshSorted& st, int64_t B, int64_t L, int64_t H, int64_t keys) {
   LshListsParams p;
-  p.B = B, p.L = L, p.H = H, p.K = keys, p.num_buckets = nb, p.keys64 = keys64, p.row_stride = joint ? span : 0;
-  p.q_bucket = bq.data_ptr<int32_t>(), p.start = bounds.start.data_ptr<int32_t>();
-  p.end = bounds.end.data_ptr<int32_t>(), p.sorted_keys = key_sorted.data_ptr();
-  p.sorted_pos = key_pos.data_ptr<int32_t>(), p.out = idx.data_ptr<int32_t>();
+  p.B = B, p.L = L, p.H = H, p.K = keys, p.num_buckets = st.nb, p.keys64 = st.keys64, p.row_stride = st.row_stride;
+  p.q_bucket = st.bq.data_ptr<int32_t>(), p.start = st.bounds.start.data_ptr<int32_t>();
+  p.end = st.bounds.end.data_ptr<int32_t>(), p.sorted_keys = st.key_sorted.data_ptr();
+  p.sorted_pos = st.key_pos.data_ptr<int32_t>();
+  return p;
+}
+
+}  // namespace
+
+KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
+                    const at::Tensor& seq) {
+  const at::Device dev = q.device();
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2);
+  at::Tensor idx = ops::new_output({B, H, L, keys}, int32_on(dev));
+  if (B * H * L == 0) return {idx, at::empty({B, H, L}, int32_on(dev))};
+  const LshSorted st = lsh_sorted(q, k, proj, binning, seq);
+  LshListsParams p = lists_params(st, B, L, H, keys);
+  p.out = idx.data_ptr<int32_t>();
   lsh_lists_cuda(p, stream_of(idx));
-  return {idx, query_order};
+  return {idx, st.query_order};
+}
+
+LshBand lsh_band_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj,
+                        Binning binning, const at::Tensor& seq) {
+  const at::Device dev = q.device();
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2);
+  at::Tensor band = ops::new_output({4, B, H, L}, int32_on(dev));
+  if (B * H * L == 0) return {at::empty({B, H, L}, int32_on(dev)), at::empty({B, H, L}, int32_on(dev)), band};
+  const LshSorted st = lsh_sorted(q, k, proj, binning, seq);
+  LshBandParams p;
+  p.lists = lists_params(st, B, L, H, keys);
+  p.q_order = st.query_order.data_ptr<int32_t>();
+  p.band = band.data_ptr<int32_t>();
+  lsh_band_cuda(p, stream_of(band));
+  return {st.query_order, st.key_pos, band};
+}
+
+at::Tensor exclude_band_device(const at::Tensor& idx0, const LshBand& band) {
+  const at::Tensor idx = idx0.contiguous(), q_order = band.q_order.contiguous(), k_order = band.k_order.contiguous();
+  const at::Tensor bd = band.band.contiguous();
+  at::Tensor out = ops::new_output(idx.sizes(), idx.options());
+  at::Tensor ranks = at::empty({2, idx.size(0), idx.size(1), idx.size(2)}, idx.options());
+  ExcludeBandParams p;
+  p.B = idx.size(0), p.H = idx.size(1), p.L = idx.size(2), p.K = idx.size(3);
+  p.idx = idx.data_ptr<int32_t>(), p.q_order = q_order.data_ptr<int32_t>(), p.k_order = k_order.data_ptr<int32_t>();
+  p.band = bd.data_ptr<int32_t>(), p.q_rank = ranks[0].data_ptr<int32_t>(), p.k_rank = ranks[1].data_ptr<int32_t>();
+  p.out = out.data_ptr<int32_t>();
+  exclude_band_cuda(p, stream_of(out));
+  return out;
 }
 
 at::Tensor top_k_prefix_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
@@ -254,6 +317,10 @@ at::Tensor lsh_buckets_device(const at::Tensor&, const at::Tensor&, Binning, con
 KeyLists lsh_device(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, Binning, const at::Tensor&) {
   no_kernels();
 }
+LshBand lsh_band_device(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, Binning, const at::Tensor&) {
+  no_kernels();
+}
+at::Tensor exclude_band_device(const at::Tensor&, const LshBand&) { no_kernels(); }
 at::Tensor top_k_prefix_device(const at::Tensor&, int64_t, const at::Tensor&) { no_kernels(); }
 at::Tensor merge_device(const at::Tensor&, const at::Tensor&) { no_kernels(); }
 ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, const at::Device&) { no_kernels(); }

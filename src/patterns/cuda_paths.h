@@ -31,6 +31,13 @@ at::Tensor progression_lists_device(ProgressionKind kind, int64_t B, int64_t H, 
 // lsh_buckets of x (B, L, H, N) (float32 or bfloat16), with `start` from sequence_bounds_device.
 at::Tensor lsh_buckets_device(const at::Tensor& x, const at::Tensor& proj, Binning binning, const at::Tensor& start);
 
+// lsh_band: the sorted orders and the band on q's device.
+LshBand lsh_band_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj,
+                        Binning binning, const at::Tensor& seq);
+
+// exclude_band's lists, (B, H, L, K) int32 on idx's device.
+at::Tensor exclude_band_device(const at::Tensor& idx, const LshBand& band);
+
 // lsh: lists and q_order on q's device.
 KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
                     const at::Tensor& seq);

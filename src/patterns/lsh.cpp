@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <vector>
 
 #include "core/rng.h"
 #include "core/small_gemm.h"
@@ -228,6 +230,58 @@ KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::T
     }
   });
   return {detail::on(idx, q.device()), detail::on(q_order, q.device())};
+}
+
+LshBand lsh_band(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
+                 const at::Tensor& seq_idx) {
+  constexpr const char* kOp = "lsh_band";
+  check_vectors(kOp, "q", q);
+  ops::check_shape(kOp, "k", k, q.sizes().vec(), "(B, L, H, N) like q");
+  ops::check_floating(kOp, "k", k);
+  detail::check_positive(kOp, "keys", keys);
+  check_proj(kOp, proj, q.size(3), binning);
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), K = keys, n = B * H * L;
+  if (q.is_cuda())
+    return detail::lsh_band_device(q.detach(), k.detach(), keys, proj, binning,
+                                   ops::check_seq_idx(kOp, detail::on(seq_idx, q.device()), B, L));
+  // The definition, plainly: rows sorted by (sequence, bucket, position); sorted query t at
+  // position i of sequence [s, e) in bucket c sees the sorted keys of that sequence and bucket
+  // with position <= i, the last K of them; the key side follows by binary search.
+  const at::Tensor seq = detail::on(ops::check_seq_idx(kOp, seq_idx, B, L), at::kCPU);
+  const at::Tensor bq = buckets_cpu(q, proj, binning, seq), bk = buckets_cpu(k, proj, binning, seq);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  at::Tensor q_order = at::empty({B, H, L}, i32), k_order = at::empty({B, H, L}, i32);
+  at::Tensor band = at::empty({4, B, H, L}, i32);
+  int32_t *qo = q_order.data_ptr<int32_t>(), *ko = k_order.data_ptr<int32_t>(), *bd = band.data_ptr<int32_t>();
+  const int32_t* bqp = bq.data_ptr<int32_t>();
+  const int32_t* bkp = bk.data_ptr<int32_t>();
+  detail::for_each_row(B, H, L, seq, 64 * L, [&](int64_t b, int64_t h, const auto& segs) {
+    using Key = std::tuple<int64_t, int64_t, int64_t>;  // (sequence start, bucket, position)
+    std::vector<Key> qk(L), kk(L);
+    for (const auto& [s, e] : segs)
+      for (int64_t i = s; i < e; ++i) {
+        qk[i] = {s, bqp[(b * L + i) * H + h], i};
+        kk[i] = {s, bkp[(b * L + i) * H + h], i};
+      }
+    std::sort(qk.begin(), qk.end());
+    std::sort(kk.begin(), kk.end());
+    const int64_t r = (b * H + h) * L;
+    int32_t *first = bd + r, *last = bd + n + r, *kfirst = bd + 2 * n + r, *klast = bd + 3 * n + r;
+    for (int64_t t = 0; t < L; ++t) {
+      const auto [s, c, i] = qk[t];
+      qo[r + t] = (int32_t)i;
+      ko[r + t] = (int32_t)std::get<2>(kk[t]);
+      const int64_t hi = std::upper_bound(kk.begin(), kk.end(), Key{s, c, i}) - kk.begin();
+      const int64_t lo = std::lower_bound(kk.begin(), kk.end(), Key{s, c, 0}) - kk.begin();
+      first[t] = (int32_t)std::max(lo, hi - K);
+      last[t] = (int32_t)(hi - 1);
+    }
+    for (int64_t j = 0; j < L; ++j) {
+      kfirst[j] = (int32_t)(std::lower_bound(last, last + L, (int32_t)j) - last);
+      klast[j] = (int32_t)(std::upper_bound(first, first + L, (int32_t)j) - first - 1);
+    }
+  });
+  return {detail::on(q_order, q.device()), detail::on(k_order, q.device()), detail::on(band, q.device())};
 }
 
 }  // namespace hax::patterns

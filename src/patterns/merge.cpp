@@ -107,6 +107,36 @@ KeyLists exclude(const KeyLists& a, const KeyLists& b) {
   return {detail::on(idx, a.idx.device()), a.q_order};
 }
 
+KeyLists exclude_band(const KeyLists& a, const LshBand& band) {
+  constexpr const char* kOp = "exclude_band";
+  ops::check_rank(kOp, "a.idx", a.idx, 4, "(B, H, L, K)");
+  const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2), K = a.idx.size(3);
+  ops::check_shape(kOp, "band.band", band.band, {4, B, H, L}, "(4, B, H, L) with a's (B, H, L)");
+  ops::check_shape(kOp, "band.q_order", band.q_order, {B, H, L}, "(B, H, L) with a's");
+  ops::check_shape(kOp, "band.k_order", band.k_order, {B, H, L}, "(B, H, L) with a's");
+  HAX_CHECK(band.band.device() == a.idx.device(), "{}: the band is on {} but the lists are on {}", kOp,
+            band.band.device().str(), a.idx.device().str());
+  if (a.idx.numel() == 0) return a;
+  if (a.idx.is_cuda()) return {detail::exclude_band_device(a.idx, band), a.q_order};
+  // The CPU (and reference) form, with LibTorch ops.
+  const auto i64 = a.idx.options().dtype(at::kLong);
+  // The sorted rank of every query and key position: the inverses of the two orders.
+  const at::Tensor ranks = at::arange(L, i64).expand({B, H, L});
+  const at::Tensor q_rank = at::empty({B, H, L}, i64).scatter_(2, band.q_order.to(at::kLong), ranks);
+  const at::Tensor k_rank = at::empty({B, H, L}, i64).scatter_(2, band.k_order.to(at::kLong), ranks);
+  // Query i's LSH keys are the sorted keys [first, last] of its rank.
+  const at::Tensor first = band.band[0].to(at::kLong).gather(2, q_rank).unsqueeze(-1);  // (B, H, L, 1)
+  const at::Tensor last = band.band[1].to(at::kLong).gather(2, q_rank).unsqueeze(-1);
+  const at::Tensor idx = a.idx.to(at::kLong), valid = idx.ge(0);
+  const at::Tensor sk = k_rank.gather(2, idx.clamp_min(0).view({B, H, L * K})).view({B, H, L, K});
+  const at::Tensor keep = valid.logical_and(sk.lt(first).logical_or(sk.gt(last)));
+  // Kept keys move to the front in their order (slot = kept keys before them); the others go to a
+  // spare slot K that is dropped.
+  const at::Tensor slot = at::where(keep, keep.cumsum(-1) - 1, at::full_like(idx, K));
+  at::Tensor out = at::full({B, H, L, K + 1}, -1, i64).scatter_(3, slot, at::where(keep, idx, at::full_like(idx, -1)));
+  return {out.narrow(3, 0, K).to(at::kInt).contiguous(), a.q_order};
+}
+
 at::Tensor key_counts(const KeyLists& lists) {
   ops::check_rank("key_counts", "idx", lists.idx, 4, "(B, H, L, K)");
   return lists.idx.ne(-1).sum(-1).to(at::kInt);

@@ -57,6 +57,28 @@ at::Tensor lsh_buckets(const at::Tensor& x, const at::Tensor& proj, Binning binn
 KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
              const at::Tensor& seq_idx);
 
+// The same LSH pattern as a band over sorted rows (the fast form: no lists). Queries and keys of
+// each (b, h) sorted by (sequence, bucket, position): q_order[b][h][t] is the position of sorted
+// query t, k_order[b][h][s] that of sorted key s. Sorted query t sees the sorted keys
+// [band[0][b][h][t], band[1][b][h][t]] (exactly lsh()'s list of query q_order[t], which is empty
+// when band[1] < band[0]), and sorted key s is seen by the sorted queries
+// [band[2][b][h][s], band[3][b][h][s]]. All four are non-decreasing along the row, so
+// ops::causal_attention runs it as a band over rows permuted by ops::permute_rows
+// (layers/lsh_attention.h).
+struct LshBand {
+  at::Tensor q_order;  // (B, H, L) int32
+  at::Tensor k_order;  // (B, H, L) int32
+  at::Tensor band;     // (4, B, H, L) int32
+};
+LshBand lsh_band(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
+                 const at::Tensor& seq_idx);
+
+// The keys of a's lists that the band's LSH pattern does not give the same query (ascending, -1
+// padded, a's K slots; a's q_order): with the band's attention, a's part of a union such as HAX
+// then runs on the other keys only, and the two attentions join by their log-sum-exps. On a's
+// device (a kernel on CUDA, LibTorch ops elsewhere).
+KeyLists exclude_band(const KeyLists& a, const LshBand& band);
+
 // Key Selection: query i attends to the k keys of highest score among positions start..i (ties:
 // the earlier position wins), computed incrementally (the set changes by at most one key per
 // step). scores: (B, L, H).

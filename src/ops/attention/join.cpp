@@ -1,6 +1,7 @@
 // join_by_lse (attention.h): attention over the union of two disjoint key sets from the attention
-// over each. On the CPU one fused pass forward and one backward (the LibTorch formula, kept for
-// other devices, makes about eight passes over the (B, L, H, Dv) outputs):
+// over each. On the CPU and on CUDA (cuda/join.cu: float32 lse, float32 or bfloat16 outputs) one
+// fused pass forward and one backward (the LibTorch formula, kept for other cases, makes about
+// eight passes over the (B, L, H, Dv) outputs):
 //   w = sigmoid(lse_1 - lse_2) (1/2 when both are -inf: both outputs are then 0),
 //   out = o_2 + w (o_1 - o_2);
 //   backward: do_1 = w dout, do_2 = (1 - w) dout, g = dout · (o_1 - o_2),
@@ -12,6 +13,7 @@
 
 #include "core/error.h"
 #include "ops/attention/attention.h"
+#include "ops/backend.h"
 #include "ops/check.h"
 
 namespace hax::ops {
@@ -96,6 +98,40 @@ struct JoinFunction : public torch::autograd::Function<JoinFunction> {
   }
 };
 
+// CUDA: the kernels of cuda/join.cu (o1, o2 float32 or bfloat16; lse1, lse2 float32).
+struct JoinCudaFunction : public torch::autograd::Function<JoinCudaFunction> {
+  static JoinParams params(const at::Tensor& o1, const at::Tensor& o2) {
+    JoinParams p;
+    p.batch = o1.size(0), p.seqlen = o1.size(1), p.nheads = o1.size(2), p.vdim = o1.size(3);
+    p.o1 = o1.data_ptr(), p.o2 = o2.data_ptr();
+    return p;
+  }
+  static variable_list forward(AutogradContext* ctx, at::Tensor o1, at::Tensor lse1, at::Tensor o2, at::Tensor lse2) {
+    o1 = o1.contiguous(), o2 = o2.contiguous(), lse1 = lse1.contiguous(), lse2 = lse2.contiguous();
+    at::Tensor out = new_output(o1.sizes(), o1.options());
+    at::Tensor w = at::empty({o1.size(0), o1.size(1), o1.size(2)}, o1.options().dtype(at::kFloat));
+    JoinParams p = params(o1, o2);
+    p.lse1 = lse1.data_ptr<float>(), p.lse2 = lse2.data_ptr<float>();
+    p.out = out.data_ptr(), p.w = w.data_ptr<float>();
+    HAX_CUDA_LAUNCH(kOp, o1, join_by_lse_forward_cuda(p, kernel_dtype(o1), cuda_stream(o1)));
+    ctx->save_for_backward({o1, o2, w});
+    return {out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const at::Tensor &o1 = s[0], &o2 = s[1], &w = s[2];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor dout = grads[0].to(o1.scalar_type()).contiguous();
+    at::Tensor d1 = new_output(o1.sizes(), o1.options()), d2 = new_output(o2.sizes(), o2.options());
+    at::Tensor dl1 = new_output({o1.size(0), o1.size(2), o1.size(1), 1}, w.options());
+    JoinParams p = params(o1, o2);
+    p.w = w.data_ptr<float>(), p.dout = dout.data_ptr(), p.do1 = d1.data_ptr(), p.do2 = d2.data_ptr();
+    p.dlse1 = dl1.data_ptr<float>();
+    HAX_CUDA_LAUNCH(kOp, o1, join_by_lse_backward_cuda(p, kernel_dtype(o1), cuda_stream(o1)));
+    return {d1, dl1, d2, -dl1};
+  }
+};
+
 }  // namespace
 
 at::Tensor join_by_lse(const at::Tensor& o1, const at::Tensor& lse1, const at::Tensor& o2, const at::Tensor& lse2) {
@@ -108,6 +144,9 @@ at::Tensor join_by_lse(const at::Tensor& o1, const at::Tensor& lse1, const at::T
       o1.scalar_type() != at::kBFloat16 && lse1.scalar_type() == o1.scalar_type() &&
       lse2.scalar_type() == o1.scalar_type())
     return JoinFunction::apply(o1, lse1, o2, lse2)[0];
+  if (o1.is_cuda() && (o1.scalar_type() == at::kFloat || o1.scalar_type() == at::kBFloat16) &&
+      lse1.scalar_type() == at::kFloat && lse2.scalar_type() == at::kFloat && o1.numel() > 0)
+    return JoinCudaFunction::apply(o1, lse1, o2, lse2)[0];
   const at::Tensor w1 = at::sigmoid((lse1 - lse2).permute({0, 2, 1, 3}).nan_to_num(0.0)).to(o1.scalar_type());
   return o2 + w1 * (o1 - o2);
 }

@@ -148,6 +148,26 @@ inline int64_t sparse_attention_cuda_workspace(const AttentionGradParams& gp) {
 
 // CUDA kernels (float32 or bfloat16 storage, float32 math; D, Dv <= 128); `stream` is a
 // cudaStream_t. See cuda/forward.cu and cuda/backward.cu.
+// join_by_lse (attention.h) on CUDA: o1, o2, out, dout, do1, do2 (B, L, H, Dv) of the dtype;
+// lse1, lse2 (B, H, L) and w (B, L, H), dlse1 (B, H, L) float32. Forward: w = sigmoid(lse1 - lse2)
+// (1/2 when both are -inf), out = o2 + w (o1 - o2). Backward: do1 = w dout, do2 = dout - do1,
+// dlse1 = (dout · (o1 - o2)) w (1 - w) (dlse2 = -dlse1).
+struct JoinParams {
+  int64_t batch = 0, seqlen = 0, nheads = 0, vdim = 0;
+  const void* o1 = nullptr;
+  const void* o2 = nullptr;
+  const float* lse1 = nullptr;
+  const float* lse2 = nullptr;
+  void* out = nullptr;     // forward
+  float* w = nullptr;      // forward: out; backward: in
+  const void* dout = nullptr;
+  void* do1 = nullptr;
+  void* do2 = nullptr;
+  float* dlse1 = nullptr;
+};
+void join_by_lse_forward_cuda(const JoinParams& p, DType dtype, void* stream);
+void join_by_lse_backward_cuda(const JoinParams& p, DType dtype, void* stream);
+
 void sparse_attention_forward_cuda(const AttentionParams& p, DType dtype, void* stream);
 void sparse_attention_backward_cuda(const AttentionGradParams& p, DType dtype, void* stream);
 

@@ -42,14 +42,30 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return d;
 }
 
+// The band (params.h), if given: int32 (4, B, H, L) on q's device; then no window and no seq_idx.
+at::Tensor check_band(const at::Tensor& band, const Dims& d, const at::Tensor& q, int64_t window,
+                      const at::Tensor& seq_idx) {
+  if (!band.defined() || (band.numel() == 0 && band.dim() == 1)) return at::Tensor();
+  check_shape(kOp, "band", band, {4, d.B, d.H, d.L}, "(4, B, H, L): first/last key of each query, first/last query of each key");
+  HAX_CHECK(band.scalar_type() == at::kInt, "{}: band must be int32, got {}", kOp, c10::toString(band.scalar_type()));
+  HAX_CHECK(band.device() == q.device(), "{}: band is on {} but q is on {}; band must be on q's device", kOp,
+            band.device().str(), q.device().str());
+  HAX_CHECK(window == 0, "{}: window {} must be 0 with a band (the band alone says who sees whom)", kOp, window);
+  HAX_CHECK(!seq_idx.defined() || seq_idx.numel() == 0,
+            "{}: seq_idx must be absent with a band (the band alone says who sees whom)", kOp);
+  return band.contiguous();
+}
+
 CausalAttentionParams make_params(const Dims& d, int64_t window, double scale, const at::Tensor& q,
-                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq) {
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq,
+                                  const at::Tensor& band) {
   CausalAttentionParams p;
   p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
   p.window = window;
   p.scale = scale;
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
   p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
+  p.band = band.defined() ? band.data_ptr<int32_t>() : nullptr;
   p.tensor_cores = g_tensor_cores.load();
   return p;
 }
@@ -59,7 +75,7 @@ using torch::autograd::variable_list;
 
 struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentionFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, at::Tensor seq_idx,
-                               int64_t window, double scale) {
+                               int64_t window, double scale, at::Tensor band0) {
     ctx->set_materialize_grads(false);  // an unused output (lse, final state) gets no tensor of zeros
     // An absent seq_idx arrives as an empty tensor (LibTorch's autograd needs defined ones).
     if (seq_idx.numel() == 0) seq_idx = at::Tensor();
@@ -68,8 +84,9 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
     if (seq.defined())
       HAX_CHECK(seq.device() == q0.device(), "{}: seq_idx is on {} but q is on {}; seq_idx must be on q's device",
                 kOp, seq.device().str(), q0.device().str());
+    const at::Tensor band = check_band(band0, d, q0, window, seq);
     at::Tensor q = q0.contiguous(), k = k0.contiguous(), v = v0.contiguous();
-    CausalAttentionParams p = make_params(d, window, scale, q, k, v, seq);
+    CausalAttentionParams p = make_params(d, window, scale, q, k, v, seq, band);
     at::Tensor out = new_output({d.B, d.L, d.H, d.Dv}, q.options());
     // lse is float32 on CUDA (the kernels' math type), q's dtype on the CPU.
     at::Tensor lse = new_output({d.B, d.H, d.L}, q.is_cuda() ? q.options().dtype(at::kFloat) : q.options());
@@ -83,8 +100,10 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
     ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["has_seq"] = seq.defined();
+    ctx->saved_data["has_band"] = band.defined();
     ctx->saved_data["tensor_cores"] = p.tensor_cores;
-    ctx->save_for_backward({q, k, v, seq.defined() ? seq : at::empty({0}, at::kInt), out, lse});
+    ctx->save_for_backward({q, k, v, seq.defined() ? seq : at::empty({0}, at::kInt), out, lse,
+                            band.defined() ? band : at::empty({0}, at::kInt)});
     return {out, lse};
   }
 
@@ -92,13 +111,14 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
     auto s = ctx->get_saved_variables();
     const at::Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[4], &lse = s[5];
     at::Tensor seq = ctx->saved_data["has_seq"].toBool() ? s[3] : at::Tensor();
+    at::Tensor band = ctx->saved_data["has_band"].toBool() ? s[6] : at::Tensor();
     const int64_t window = ctx->saved_data["window"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
     Dims d{q.size(0), q.size(1), q.size(2), q.size(3), v.size(3)};
     at::Tensor dout = grads[0].defined() ? grads[0].to(out.scalar_type()).contiguous() : at::zeros_like(out);
     at::Tensor dlse = grads[1].defined() ? grads[1].to(lse.scalar_type()).contiguous() : at::Tensor();
     CausalAttentionGradParams gp;
-    gp.fwd = make_params(d, window, scale, q, k, v, seq);
+    gp.fwd = make_params(d, window, scale, q, k, v, seq, band);
     gp.fwd.out = out.data_ptr(), gp.fwd.lse = lse.data_ptr();
     at::Tensor dq = new_output_like(q), dk = new_output_like(k), dv = new_output_like(v);
     gp.dout = dout.data_ptr();
@@ -115,7 +135,7 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
         causal_attention_backward_cpu(gp, q.scalar_type());
       }
     }
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -125,12 +145,14 @@ void set_causal_attention_tensor_cores(bool on) { g_tensor_cores.store(on); }
 bool causal_attention_tensor_cores() { return g_tensor_cores.load(); }
 
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& seq_idx, int64_t window, double scale) {
+                                                    const at::Tensor& seq_idx, int64_t window, double scale,
+                                                    const at::Tensor& band) {
   if (autocast_cast_needed({q, k, v}))
-    return causal_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), seq_idx, window, scale);
-  check_inputs(q, k, v, window, scale);  // before apply, which needs defined tensors
+    return causal_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), seq_idx, window, scale, band);
+  const Dims d = check_inputs(q, k, v, window, scale);  // before apply, which needs defined tensors
+  check_band(band, d, q, window, seq_idx);
   auto out = CausalAttentionFunction::apply(q, k, v, seq_idx.defined() ? seq_idx : at::empty({0}, at::kInt), window,
-                                            scale);
+                                            scale, band.defined() ? band : at::empty({0}, at::kInt));
   return {out[0], out[1]};
 }
 

@@ -3,6 +3,7 @@
 //
 //   out[b,i,h] = Σ_{j ∈ W(i)} softmax_j( scale · q[b,i,h]·k[b,j,h] ) v[b,j,h],
 //   W(i) = { j : max(0, i - window + 1) <= j <= i, seq_idx[b,j] = seq_idx[b,i] }   (window 0 = no limit)
+//   or, with a band, W(i) = [band[0][b,h,i], band[1][b,h,i]]
 //
 // It is the "full" baseline of the sparse-attention family and the sliding-window attention of
 // Samba's attention layers.
@@ -27,12 +28,18 @@ bool causal_attention_tensor_cores();
 // Differentiable in q, k, v (through both outputs). seq_idx may be undefined; window >= 0;
 // scale > 0 (e.g. 1/sqrt(D)). Returns (out (B, L, H, Dv), lse (B, H, L)); lse has q's dtype on
 // the CPU and is float32 on CUDA (the kernels' math type; the backward needs it that precise).
+// `band` (int32 (4, B, H, L), params.h), if defined, replaces the causal visibility (window 0, no
+// seq_idx): query i of head h sees keys [band[0][b][h][i], band[1][b][h][i]]. A query that sees no
+// key outputs 0 with lse = -inf. LSH attention runs as such a band over bucket-sorted rows.
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& seq_idx, int64_t window, double scale);
+                                                    const at::Tensor& seq_idx, int64_t window, double scale,
+                                                    const at::Tensor& band = {});
 
-// Dense masked-softmax reference with LibTorch ops (test oracle; float64, small L).
+// Dense masked-softmax reference with LibTorch ops (test oracle; float64, small L); with a band as
+// above (parts 0 and 1 define it).
 std::tuple<at::Tensor, at::Tensor> causal_attention_reference(const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& v, const at::Tensor& seq_idx,
-                                                              int64_t window, double scale);
+                                                              int64_t window, double scale,
+                                                              const at::Tensor& band = {});
 
 }  // namespace hax::ops

@@ -13,7 +13,8 @@
 // Query i sees keys j in [lo_i, i], lo_i = max(start of i's sequence, i - window + 1); key j is seen
 // by queries i in [j, hi_j], hi_j = min(end of j's sequence, j + window - 1). Both bounds are
 // non-decreasing, so a query block sees one contiguous range of key blocks and vice versa; blocks
-// outside it are skipped, blocks on its edges are masked. Q, K, V, dO are first packed per (b, h)
+// outside it are skipped, blocks on its edges are masked. A band (params.h) gives the four bounds
+// per (b, h) instead; they are non-decreasing too. Q, K, V, dO are first packed per (b, h)
 // into contiguous row-major copies and transposed blocks, so that every tile product is a
 // small_gemm on contiguous memory.
 #include <ATen/Parallel.h>
@@ -35,25 +36,44 @@ constexpr int64_t kBlockQ = 128;  // queries per tile (a query tile is reused ac
 constexpr int64_t kBlockK = 64;   // keys per tile
 constexpr int64_t kPadTo = 128;   // packed rows are padded to a multiple of both block sizes
 
-// Visible ranges lo_i (first key of query i) and hi_j (last query of key j), (B, L) each.
+// Visible ranges: query i sees keys [qlo_i, qhi_i], key j is seen by queries [klo_j, khi_j]; (B, L)
+// each from the causal definition, (B·H, L) from a band (params.h). `at(b, h)` is the row of (b, h).
 struct Ranges {
-  std::vector<int64_t> lo, hi;
+  std::vector<int64_t> qlo, qhi, klo, khi;
+  int64_t H = 0;
+  bool per_head = false;
+  int64_t at(int64_t b, int64_t h, int64_t L) const { return (per_head ? b * H + h : b) * L; }
 };
 
+// The tiles [t0, t1] of width n that a tile of rows visits, from the first column its first row
+// sees (a) and the last its last row sees (z); none (t1 < t0) when z < a.
+inline void tile_span(int64_t a, int64_t z, int64_t n, int64_t& t0, int64_t& t1) {
+  t0 = a / n;
+  t1 = z < a ? t0 - 1 : z / n;
+}
+
 Ranges visible_ranges(const CausalAttentionParams& p) {
-  const int64_t B = p.batch, L = p.seqlen, W = p.window;
-  Ranges r{std::vector<int64_t>(B * L), std::vector<int64_t>(B * L)};
+  const int64_t B = p.batch, L = p.seqlen, W = p.window, H = p.nheads;
+  if (p.band) {
+    const int64_t n = B * H * L;
+    auto part = [&](int k) { return std::vector<int64_t>(p.band + k * n, p.band + (k + 1) * n); };
+    return Ranges{part(0), part(1), part(2), part(3), H, true};
+  }
+  Ranges r{std::vector<int64_t>(B * L), std::vector<int64_t>(B * L), std::vector<int64_t>(B * L),
+           std::vector<int64_t>(B * L), H, false};
   for (int64_t b = 0; b < B; ++b) {
     const int32_t* s = p.seq_idx ? p.seq_idx + b * L : nullptr;
     int64_t start = 0;
     for (int64_t i = 0; i < L; ++i) {
       if (s && i > 0 && s[i] != s[i - 1]) start = i;
-      r.lo[b * L + i] = W > 0 ? std::max(start, i - W + 1) : start;
+      r.qlo[b * L + i] = W > 0 ? std::max(start, i - W + 1) : start;
+      r.qhi[b * L + i] = i;
+      r.klo[b * L + i] = i;
     }
     int64_t end = L - 1;
     for (int64_t j = L - 1; j >= 0; --j) {
       if (s && j < L - 1 && s[j] != s[j + 1]) end = j;
-      r.hi[b * L + j] = W > 0 ? std::min(end, j + W - 1) : end;
+      r.khi[b * L + j] = W > 0 ? std::min(end, j + W - 1) : end;
     }
   }
   return r;
@@ -117,16 +137,19 @@ void forward_impl(const CausalAttentionParams& p) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t bh = it / nq, qb = zigzag(it % nq, nq), b = bh / H, h = bh % H;
       const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, L - i0);
-      const int64_t* lo = &rg.lo[b * L];
+      const int64_t* lo = &rg.qlo[rg.at(b, h, L)];
+      const int64_t* hi = &rg.qhi[rg.at(b, h, L)];
       std::fill(m.begin(), m.end(), ninf);
       std::fill(l.begin(), l.end(), T(0));
       std::fill(acc.begin(), acc.end(), T(0));
-      for (int64_t kb = lo[i0] / kBlockK; kb <= (i0 + rows - 1) / kBlockK; ++kb) {
+      int64_t kb0, kb1;
+      tile_span(lo[i0], hi[i0 + rows - 1], kBlockK, kb0, kb1);
+      for (int64_t kb = kb0; kb <= kb1; ++kb) {
         const int64_t j0 = kb * kBlockK;
         small_gemm<T>(rows, kBlockK, D, Qp + (bh * Lp + i0) * D, D, KT + (bh * Lp + j0) * D, kBlockK, S.data(),
                       kBlockK, false);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r, a = std::max(lo[i], j0) - j0, z = std::min(i, j0 + kBlockK - 1) - j0;
+          const int64_t i = i0 + r, a = std::max(lo[i], j0) - j0, z = std::min(hi[i], j0 + kBlockK - 1) - j0;
           T* srow = &S[r * kBlockK];
           if (a > z) {  // this key block is outside the row's range
             std::fill(srow, srow + kBlockK, T(0));
@@ -155,10 +178,10 @@ void forward_impl(const CausalAttentionParams& p) {
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        const T inv = T(1) / l[r];
+        const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // a row that sees no key (a band's) outputs 0
         T* orow = (T*)p.out + ((b * L + i) * H + h) * Dv;
         for (int64_t d = 0; d < Dv; ++d) orow[d] = acc[r * Dv + d] * inv;
-        ((T*)p.lse)[bh * L + i] = m[r] + std::log(l[r]);
+        ((T*)p.lse)[bh * L + i] = l[r] > T(0) ? m[r] + std::log(l[r]) : ninf;
       }
     }
   });
@@ -202,7 +225,9 @@ void backward_impl(const CausalAttentionGradParams& gp) {
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < Dv; ++d) s += o[d] * dO[d];
       delta[it] = s - (gp.dlse ? ((const T*)gp.dlse)[bh * L + i] : T(0));
-      lsep[it] = lse[bh * L + i];
+      // A row that sees no key (a band's) has lse = -inf; it is masked everywhere, and a finite
+      // stand-in keeps exp(-inf - lse) of its masked entries at 0 instead of NaN.
+      lsep[it] = std::isinf(lse[bh * L + i]) ? T(0) : lse[bh * L + i];
     }
   });
   const T scale = T(p.scale);
@@ -213,16 +238,19 @@ void backward_impl(const CausalAttentionGradParams& gp) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t bh = it / nq, qb = zigzag(it % nq, nq), b = bh / H, h = bh % H;
       const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, L - i0);
-      const int64_t* lo = &rg.lo[b * L];
+      const int64_t* lo = &rg.qlo[rg.at(b, h, L)];
+      const int64_t* hi = &rg.qhi[rg.at(b, h, L)];
       std::fill(dQ.begin(), dQ.end(), T(0));
-      for (int64_t kb = lo[i0] / kBlockK; kb <= (i0 + rows - 1) / kBlockK; ++kb) {
+      int64_t kb0, kb1;
+      tile_span(lo[i0], hi[i0 + rows - 1], kBlockK, kb0, kb1);
+      for (int64_t kb = kb0; kb <= kb1; ++kb) {
         const int64_t j0 = kb * kBlockK;
         small_gemm<T>(rows, kBlockK, D, Qp + (bh * Lp + i0) * D, D, KT + (bh * Lp + j0) * D, kBlockK, S.data(),
                       kBlockK, false);
         small_gemm<T>(rows, kBlockK, Dv, dOp + (bh * Lp + i0) * Dv, Dv, VT + (bh * Lp + j0) * Dv, kBlockK, dP.data(),
                       kBlockK, false);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r, a = std::max(lo[i], j0) - j0, z = std::min(i, j0 + kBlockK - 1) - j0;
+          const int64_t i = i0 + r, a = std::max(lo[i], j0) - j0, z = std::min(hi[i], j0 + kBlockK - 1) - j0;
           T* srow = &S[r * kBlockK];
           const T* dprow = &dP[r * kBlockK];
           if (a > z) {
@@ -249,10 +277,13 @@ void backward_impl(const CausalAttentionGradParams& gp) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t bh = it / nk, kb = zigzag(it % nk, nk), b = bh / H, h = bh % H;
       const int64_t j0 = kb * kBlockK, keys = std::min(kBlockK, L - j0);
-      const int64_t* hi = &rg.hi[b * L];
+      const int64_t* lo = &rg.klo[rg.at(b, h, L)];
+      const int64_t* hi = &rg.khi[rg.at(b, h, L)];
       std::fill(dK.begin(), dK.end(), T(0));
       std::fill(dV.begin(), dV.end(), T(0));
-      for (int64_t qb = j0 / kBlockQ; qb <= hi[j0 + keys - 1] / kBlockQ; ++qb) {
+      int64_t qb0, qb1;
+      tile_span(lo[j0], hi[j0 + keys - 1], kBlockQ, qb0, qb1);
+      for (int64_t qb = qb0; qb <= qb1; ++qb) {
         const int64_t i0 = qb * kBlockQ;
         small_gemm<T>(keys, kBlockQ, D, Kp + (bh * Lp + j0) * D, D, QT + (bh * Lp + i0) * D, kBlockQ, ST.data(),
                       kBlockQ, false);
@@ -261,7 +292,7 @@ void backward_impl(const CausalAttentionGradParams& gp) {
         const T* li = lsep + bh * Lp + i0;
         const T* di = delta + bh * Lp + i0;
         for (int64_t c = 0; c < keys; ++c) {
-          const int64_t j = j0 + c, a = std::max(j, i0) - i0, z = std::min(hi[j], i0 + kBlockQ - 1) - i0;
+          const int64_t j = j0 + c, a = std::max(lo[j], i0) - i0, z = std::min(hi[j], i0 + kBlockQ - 1) - i0;
           T* prow = &ST[c * kBlockQ];
           T* dsrow = &dPT[c * kBlockQ];
           if (a > z) {

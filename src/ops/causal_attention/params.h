@@ -16,6 +16,11 @@ struct CausalAttentionParams {
   const void* k = nullptr;        // (B, L, H, D)
   const void* v = nullptr;        // (B, L, H, Dv)
   const int32_t* seq_idx = nullptr;  // (B, L) packed sequence numbers (non-decreasing), or null
+  // (4, B, H, L) or null: a band replacing the causal visibility (window 0 and no seq_idx then).
+  // For each (b, h): query i sees keys [band[0][i], band[1][i]] and key j is seen by queries
+  // [band[2][j], band[3][j]] (empty when first > last); the two descriptions must agree and all
+  // four be non-decreasing in i resp. j. LSH in bucket order is such a band (patterns/lsh_band).
+  const int32_t* band = nullptr;
   void* out = nullptr;            // out (B, L, H, Dv)
   void* lse = nullptr;            // out (B, H, L): q's dtype on the CPU, always float32 on CUDA
   bool tensor_cores = true;       // CUDA, bfloat16 only: mma.sync tiles (false: the float32 FMA tiles)

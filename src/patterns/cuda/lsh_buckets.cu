@@ -13,8 +13,9 @@
 //                        memory, where threads 0..63 sum each column over the tile since its last
 //                        sequence start (`tiles`) while threads 64..127 copy them to `values`
 //                        (coalesced). Meant to be bound by the 192 MiB of memory traffic and the
-//                        DFMAs at B=1, L=64K, H=16, N=64, h=8, bfloat16 (~70-90 us on an H100;
-//                        the previous version measured 370 us): not yet measured on the GPU.
+//                        DFMAs: at B=1, L=64K, H=16, N=64, h=8, bfloat16 it takes 98 us on an
+//                        H100 under ncu (the previous version, 2 rows a thread with proj read
+//                        through __ldg, took 370 us).
 //                        (project_kernel, thread per (b, tile, c), serves h > kTileCols.)
 //   carry_kernel         block per (b, c): an exclusive segmented scan of the tile sums (each thread
 //                        folds kCarryPer consecutive tiles, warp shuffles and the block's warp totals

@@ -122,7 +122,79 @@ __global__ void lists_kernel(LshListsParams p, int64_t S) {
   }
 }
 
+// Block per (b, h, run of kBandQueries sorted queries), a thread per query: band[0..1] of the
+// slice that lists_kernel finds for it (the same table and count_le).
+constexpr int kBandThreads = 256;
+constexpr int64_t kBandQueries = 2048;
+
+template <class Key>
+__global__ void band_queries_kernel(LshBandParams bp, int64_t S) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const LshListsParams& p = bp.lists;
+  Key* table = (Key*)smem;  // (T) every S-th sorted key of the row
+  const int64_t T = (p.L + S - 1) / S, runs = (p.L + kBandQueries - 1) / kBandQueries;
+  const int64_t r = blockIdx.x / runs, run = blockIdx.x % runs, b = r / p.H, h = r % p.H;  // r = b·H + h
+  const Key* keys = (const Key*)p.sorted_keys + r * p.L;
+  const uint64_t base = (uint64_t)r * p.row_stride;
+  for (int64_t t = threadIdx.x; t < T; t += blockDim.x) table[t] = keys[t * S];
+  __syncthreads();
+  const int64_t n = p.B * p.H * p.L;
+  const int64_t t1 = (run + 1) * kBandQueries < p.L ? (run + 1) * kBandQueries : p.L;
+  for (int64_t t = run * kBandQueries + threadIdx.x; t < t1; t += blockDim.x) {
+    const int64_t i = bp.q_order[r * p.L + t], s = p.start[b * p.L + i], e = p.end[b * p.L + i];
+    const int64_t c = p.q_bucket[(b * p.L + i) * p.H + h];
+    const uint64_t first = base + (uint64_t)(p.num_buckets * s + c * (e - s));
+    const int64_t hi = count_le(keys, table, T, S, p.L, (Key)(first + (uint64_t)(i - s)));
+    const int64_t lo = first == 0 ? 0 : count_le(keys, table, T, S, p.L, (Key)(first - 1));
+    const int64_t m = hi - lo < p.K ? hi - lo : p.K;
+    bp.band[r * p.L + t] = (int32_t)(hi - m);
+    bp.band[n + r * p.L + t] = (int32_t)(hi - 1);
+  }
+}
+
+// Thread per (b, h, sorted key s): band[2] and band[3] by binary searches in the row's band[1]
+// and band[0].
+__global__ void band_keys_kernel(LshBandParams bp) {
+  const LshListsParams& p = bp.lists;
+  const int64_t n = p.B * p.H * p.L;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = e / p.L, s = e % p.L;
+    const int32_t* first = bp.band + r * p.L;      // band[0] of the row
+    const int32_t* last = bp.band + n + r * p.L;   // band[1] of the row
+    int64_t a = 0, z = p.L;  // the first t with last[t] >= s
+    while (a < z) {
+      const int64_t mid = (a + z) / 2;
+      if (last[mid] >= s) z = mid;
+      else a = mid + 1;
+    }
+    bp.band[2 * n + e] = (int32_t)a;
+    a = 0, z = p.L;  // the first t with first[t] > s; the last with first[t] <= s is one before
+    while (a < z) {
+      const int64_t mid = (a + z) / 2;
+      if (first[mid] > s) z = mid;
+      else a = mid + 1;
+    }
+    bp.band[3 * n + e] = (int32_t)(a - 1);
+  }
+}
+
 }  // namespace
+
+void lsh_band_cuda(const LshBandParams& bp, void* stream) {
+  const LshListsParams& p = bp.lists;
+  const int64_t rows = p.B * p.H * p.L;
+  if (rows == 0) return;
+  const int64_t S = splitter_stride(p.L), T = (p.L + S - 1) / S;
+  const unsigned blocks = dev::grid_for(p.B * p.H * ((p.L + kBandQueries - 1) / kBandQueries), 1);
+  const auto st = (cudaStream_t)stream;
+  if (p.keys64)
+    band_queries_kernel<uint64_t><<<blocks, kBandThreads, T * sizeof(uint64_t), st>>>(bp, S);
+  else
+    band_queries_kernel<uint32_t><<<blocks, kBandThreads, T * sizeof(uint32_t), st>>>(bp, S);
+  ops::cuda::check_launch("lsh band (queries)");
+  band_keys_kernel<<<dev::grid_for(rows, dev::kThreads), dev::kThreads, 0, st>>>(bp);
+  ops::cuda::check_launch("lsh band (keys)");
+}
 
 void lsh_sort_keys_cuda(const LshSortKeysParams& p, void* stream) {
   const int64_t n = p.B * p.H * p.L;

@@ -132,16 +132,17 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   const bf16* q = (const bf16*)p.q + off_qk;
   const bf16* k = (const bf16*)p.k + off_qk;
   const bf16* v = (const bf16*)p.v + off_v;
-  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+  const Visibility vis = visibility(p, dm, b, bh);
 
   const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};  // the thread's two query rows
   int lo[2], hi[2];                                    // the keys each row sees (empty past L)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    lo[r] = row[r] < L ? first_key(seq, dm.W, row[r]) : INT_MAX;
-    hi[r] = row[r] < L ? row[r] : -1;
+    lo[r] = row[r] < L ? vis.first_key(row[r]) : INT_MAX;
+    hi[r] = row[r] < L ? vis.last_key(row[r]) : -1;
   }
-  const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
+  int kt_begin, kt_end;
+  tile_span(vis.first_key(i0), vis.last_key(min(i0 + kRows - 1, L - 1)), BN, L, kt_begin, kt_end);
   // kCopy: tile kt's keys and values into buffer b.
   auto issue = [&](int kt, int b) {
     const int j0 = kt * BN;
@@ -200,8 +201,8 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
-            const bool vis = !decltype(masked)::value || (j <= row[r] && j >= lo[r]);
-            if (!vis) s[nt][e] = -INFINITY;
+            const bool seen = !decltype(masked)::value || (j <= hi[r] && j >= lo[r]);
+            if (!seen) s[nt][e] = -INFINITY;
             mx[r] = fmaxf(mx[r], s[nt][e]);
           }
       };
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] = sum4(l[r]);
-    inv[r] = 1.f / l[r];
+    inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row that sees no key (a band's) outputs 0
   }
   // 16-byte stores through the warp's own rows of sQ (which only this warp reads).
   if constexpr (kMode != kPlain)
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   float* lse = (float*)p.lse + (int64_t)bh * L;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
-    if (t == 0 && row[r] < L) lse[row[r]] = m[r] * kLn2 + logf(l[r]);
+    if (t == 0 && row[r] < L) lse[row[r]] = l[r] > 0.f ? m[r] * kLn2 + logf(l[r]) : -INFINITY;
 }
 
 template <int DB, int kMode>
@@ -344,9 +345,10 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   const float* lse = (const float*)p.lse + (int64_t)bh * L;
   float* delta = (float*)gp.workspace + (int64_t)bh * L;
   const float* dlse = gp.dlse ? (const float*)gp.dlse + (int64_t)bh * L : nullptr;
-  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+  const Visibility vis = visibility(p, dm, b, bh);
 
-  const int kt_begin = first_key(seq, dm.W, i0) / BN, kt_end = min(i0 + kRows - 1, L - 1) / BN;
+  int kt_begin, kt_end;
+  tile_span(vis.first_key(i0), vis.last_key(min(i0 + kRows - 1, L - 1)), BN, L, kt_begin, kt_end);
   auto issue = [&](int kt, int b) {  // kCopy
     const int j0 = kt * BN;
     cuda::async_tile<S, BN, DB, kThreads>(sK0 + b * BN * S, k, sqk, j0, L, dm.D);
@@ -398,8 +400,8 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const bool in = row[r] < L;
-    lo[r] = in ? first_key(seq, dm.W, row[r]) : INT_MAX;
-    hi[r] = in ? row[r] : -1;
+    lo[r] = in ? vis.first_key(row[r]) : INT_MAX;
+    hi[r] = in ? vis.last_key(row[r]) : -1;
     lse2[r] = lse_row[r] * kLog2e;
     dl[r] = sDl[r0 + g + 8 * r];
   }
@@ -439,8 +441,8 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2, j = c0 + nt * 8 + 2 * t + e % 2;
-            const bool vis = !decltype(masked)::value || (j <= row[r] && j >= lo[r]);
-            const float pr = vis ? fast_exp2(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
+            const bool seen = !decltype(masked)::value || (j <= hi[r] && j >= lo[r]);
+            const float pr = seen ? fast_exp2(s[nt][e] * dm.scale2 - lse2[r]) : 0.f;
             s[nt][e] = pr * (dp[nt][e] - dl[r]);
           }
       };
@@ -494,16 +496,17 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   const bf16* dout = (const bf16*)gp.dout + off_v;
   const float* lse = (const float*)p.lse + (int64_t)bh * L;
   const float* delta = (const float*)gp.workspace + (int64_t)bh * L;
-  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+  const Visibility vis = visibility(p, dm, b, bh);
 
   const int row[2] = {j0 + r0 + g, j0 + r0 + g + 8};  // the thread's two key rows
   int lo[2], hi[2];                                    // the queries each key is seen by (empty past L)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    lo[r] = row[r] < L ? row[r] : INT_MAX;
-    hi[r] = row[r] < L ? last_query(seq, L, dm.W, row[r]) : -1;
+    lo[r] = row[r] < L ? vis.first_query(row[r]) : INT_MAX;
+    hi[r] = row[r] < L ? vis.last_query(row[r]) : -1;
   }
-  const int qt_begin = j0 / BN, qt_end = last_query(seq, L, dm.W, min(j0 + kRows - 1, L - 1)) / BN;
+  int qt_begin, qt_end;
+  tile_span(vis.first_query(j0), vis.last_query(min(j0 + kRows - 1, L - 1)), BN, L, qt_begin, qt_end);
   // Query tile qt's rows, lse and Δ into buffer b (kCopy: asynchronous; kPlain: loaded).
   auto stage = [&](int qt, int b) {
     const int i0 = qt * BN;
@@ -589,8 +592,8 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c0 + c;
-            const bool vis = !decltype(masked)::value || (i >= row[r] && i <= hi[r]);
-            const float pr = vis ? fast_exp2(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
+            const bool seen = !decltype(masked)::value || (i >= lo[r] && i <= hi[r]);
+            const float pr = seen ? fast_exp2(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
             st[nt][e] = pr;
             dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);
           }

@@ -102,15 +102,17 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
   const T* q = (const T*)p.q + ((int64_t)b * L * H + h) * dm.D;
   const T* k = (const T*)p.k + ((int64_t)b * L * H + h) * dm.D;
   const T* v = (const T*)p.v + ((int64_t)b * L * H + h) * dm.Dv;
-  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+  const Visibility vis = visibility(p, dm, b, bh);
 
-  int lo[4];  // first visible key of each of the thread's rows (INT_MAX past the end: none)
+  int lo[4], hi[4];  // the keys each of the thread's rows sees (empty past the end)
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
     const int i = i0 + 4 * ty + a;
-    lo[a] = i < L ? first_key(seq, dm.W, i) : INT_MAX;
+    lo[a] = i < L ? vis.first_key(i) : INT_MAX;
+    hi[a] = i < L ? vis.last_key(i) : -1;
   }
-  const int kt_begin = first_key(seq, dm.W, i0) / kT, kt_end = min(i0 + kT - 1, L - 1) / kT;
+  int kt_begin, kt_end;
+  tile_span(vis.first_key(i0), vis.last_key(min(i0 + kT - 1, L - 1)), kT, L, kt_begin, kt_end);
   load_cols_f32(sQt, kTP, q, sqk, i0, kT, L, dm.D, DB);
 
   float m[4], l[4], acc[4][DB / 16];
@@ -130,12 +132,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
     tile_dot<DB>(s, sQt, sKt, tx, ty);
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
-      const int i = i0 + 4 * ty + a;
       float mx = -INFINITY;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = j0 + 4 * tx + c;
-        s[a][c] = (j <= i && j >= lo[a]) ? s[a][c] * dm.scale2 : -INFINITY;
+        s[a][c] = (j <= hi[a] && j >= lo[a]) ? s[a][c] * dm.scale2 : -INFINITY;
         mx = fmaxf(mx, s[a][c]);
       }
       const float m_new = fmaxf(m[a], max16(mx));
@@ -164,13 +165,13 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(CausalAttentionParams
     const float lsum = sum16(l[a]);
     const int i = i0 + 4 * ty + a;
     if (i >= L) continue;
-    const float inv = 1.f / lsum;
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // a row that sees no key (a band's) outputs 0
 #pragma unroll
     for (int e = 0; e < DB / 16; ++e) {
       const int d = tx + 16 * e;
       if (d < dm.Dv) out[(int64_t)i * sv + d] = from_f32<T>(acc[a][e] * inv);
     }
-    if (tx == 0) lse[i] = m[a] * kLn2 + logf(lsum);
+    if (tx == 0) lse[i] = lsum > 0.f ? m[a] * kLn2 + logf(lsum) : -INFINITY;
   }
 }
 
@@ -198,18 +199,20 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
   const T* dout = (const T*)gp.dout + off_v;
   const float* lse = (const float*)p.lse + (int64_t)bh * L;
   const float* delta = (const float*)gp.workspace + (int64_t)bh * L;
-  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+  const Visibility vis = visibility(p, dm, b, bh);
 
-  int lo[4];
+  int lo[4], hi[4];
   float lse2[4], dl[4];  // lse in base 2 and Δ of the thread's rows
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
     const int i = i0 + 4 * ty + a;
-    lo[a] = i < L ? first_key(seq, dm.W, i) : INT_MAX;
+    lo[a] = i < L ? vis.first_key(i) : INT_MAX;
+    hi[a] = i < L ? vis.last_key(i) : -1;
     lse2[a] = i < L ? lse[i] * kLog2e : 0.f;
     dl[a] = i < L ? delta[i] : 0.f;
   }
-  const int kt_begin = first_key(seq, dm.W, i0) / kT, kt_end = min(i0 + kT - 1, L - 1) / kT;
+  int kt_begin, kt_end;
+  tile_span(vis.first_key(i0), vis.last_key(min(i0 + kT - 1, L - 1)), kT, L, kt_begin, kt_end);
   load_cols_f32(sQt, kTP, q, sqk, i0, kT, L, dm.D, DB);
   load_cols_f32(sdOt, kTP, dout, sv, i0, kT, L, dm.Dv, DB);
 
@@ -225,11 +228,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(CausalAttentionGradParams 
     tile_dot<DB>(dp, sdOt, sVt, tx, ty);
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
-      const int i = i0 + 4 * ty + a;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = j0 + 4 * tx + c;
-        const float pr = (j <= i && j >= lo[a]) ? exp2f(s[a][c] * dm.scale2 - lse2[a]) : 0.f;
+        const float pr = (j <= hi[a] && j >= lo[a]) ? exp2f(s[a][c] * dm.scale2 - lse2[a]) : 0.f;
         s[a][c] = pr * (dp[a][c] - dl[a]);  // dS
       }
     }
@@ -278,15 +280,17 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
   const T* dout = (const T*)gp.dout + off_v;
   const float* lse = (const float*)p.lse + (int64_t)bh * L;
   const float* delta = (const float*)gp.workspace + (int64_t)bh * L;
-  const int32_t* seq = p.seq_idx ? p.seq_idx + (int64_t)b * L : nullptr;
+  const Visibility vis = visibility(p, dm, b, bh);
 
-  int hi[4];  // last query that sees each of the thread's keys (-1 past the end: none)
+  int lo[4], hi[4];  // the queries that see each of the thread's keys (empty past the end)
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
     const int j = j0 + 4 * ty + a;
-    hi[a] = j < L ? last_query(seq, L, dm.W, j) : -1;
+    lo[a] = j < L ? vis.first_query(j) : INT_MAX;
+    hi[a] = j < L ? vis.last_query(j) : -1;
   }
-  const int qt_begin = j0 / kT, qt_end = last_query(seq, L, dm.W, min(j0 + kT - 1, L - 1)) / kT;
+  int qt_begin, qt_end;
+  tile_span(vis.first_query(j0), vis.last_query(min(j0 + kT - 1, L - 1)), kT, L, qt_begin, qt_end);
   load_cols_f32(sKt, kTP, k, sqk, j0, kT, L, dm.D, DB);
   load_cols_f32(sVt, kTP, v, sv, j0, kT, L, dm.Dv, DB);
 
@@ -307,11 +311,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(CausalAttentionGradParam
     tile_dot<DB>(dpt, sVt, sdOt, tx, ty);
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
-      const int j = j0 + 4 * ty + a;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int i = i0 + 4 * tx + c;
-        const float pr = (i >= j && i <= hi[a]) ? exp2f(st[a][c] * dm.scale2 - sLse2[4 * tx + c]) : 0.f;
+        const float pr = (i >= lo[a] && i <= hi[a]) ? exp2f(st[a][c] * dm.scale2 - sLse2[4 * tx + c]) : 0.f;
         st[a][c] = pr;
         dpt[a][c] = pr * (dpt[a][c] - sDl[4 * tx + c]);  // dS^T
       }

@@ -9,6 +9,8 @@
 // Both bounds are non-decreasing in the position, so a tile of queries [i0, i1] sees exactly the
 // key tiles from lo_{i0} to i1, and a tile of keys [j0, j1] is seen by the query tiles from j0 to
 // hi_{j1}; tiles outside are never visited, entries inside are masked one by one.
+// With a band (params.h; LSH over bucket-sorted rows) the four bounds come from its arrays
+// instead (Visibility); they are non-decreasing too, so the same tile ranges hold.
 #pragma once
 #include <climits>
 #include <cstdint>
@@ -102,6 +104,42 @@ __device__ __forceinline__ int last_query(const int32_t* seq, int L, int W, int 
   int hi = seq ? seq_end(seq, L, j) : L - 1;
   if (W > 0) hi = (int)min((int64_t)hi, (int64_t)j + W - 1);
   return hi;
+}
+
+// Who sees whom in one (b, h): the causal (window, packed) definition above, or the band of
+// CausalAttentionParams::band. All four bounds are non-decreasing, so the smallest first bound of
+// a tile of rows is its first row's and the largest last bound its last row's.
+struct Visibility {
+  const int32_t* band = nullptr;  // this (b, h)'s entries of part 0 of the band, or null
+  int64_t part = 0;               // B·H·L: the distance between the band's parts
+  const int32_t* seq = nullptr;   // the batch row of seq_idx, or null
+  int W = 0, L = 0;
+  __device__ __forceinline__ int first_key(int i) const {
+    return band ? band[i] : causal_cuda::first_key(seq, W, i);
+  }
+  __device__ __forceinline__ int last_key(int i) const { return band ? band[part + i] : i; }
+  __device__ __forceinline__ int first_query(int j) const { return band ? band[2 * part + j] : j; }
+  __device__ __forceinline__ int last_query(int j) const {
+    return band ? band[3 * part + j] : causal_cuda::last_query(seq, L, W, j);
+  }
+};
+
+__device__ __forceinline__ Visibility visibility(const CausalAttentionParams& p, const Dims& dm, int b, int bh) {
+  Visibility v;
+  v.part = (int64_t)dm.BH * dm.L;
+  v.band = p.band ? p.band + (int64_t)bh * dm.L : nullptr;
+  v.seq = p.seq_idx ? p.seq_idx + (int64_t)b * dm.L : nullptr;
+  v.W = dm.W, v.L = dm.L;
+  return v;
+}
+
+// The column tiles [t0, t1] of width BN that a tile of rows visits, from the first column its
+// first row sees (a) and the last its last row sees (z): at least one tile of [0, L), even where
+// no row sees anything (a band's empty rows; every entry is then masked).
+__device__ __forceinline__ void tile_span(int a, int z, int BN, int L, int& t0, int& t1) {
+  const int last = (L - 1) / BN;
+  t0 = min(max(a, 0) / BN, last);
+  t1 = z < 0 ? t0 : max(t0, min(z / BN, last));
 }
 
 // Which 16-column groups of a column tile [c0, c0 + 16 NG) a warp needs: bit c is set iff some
