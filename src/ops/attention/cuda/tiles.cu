@@ -52,12 +52,24 @@ template <int S>
 __device__ __forceinline__ void gather_rows(bf16* dst, const bf16* src, int64_t stride, const int32_t* pos,
                                             int nrows, int nvalid, int ncols, bool vec) {
   if (vec) {
-    const int chunks = ncols / 8;
-    for (int x = threadIdx.x; x < nrows * chunks; x += kThreads) {
-      const int r = x / chunks, c = (x % chunks) * 8, i = pos[r];
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (i >= 0 && c < nvalid) val = *reinterpret_cast<const uint4*>(src + (int64_t)i * stride + c);
-      *reinterpret_cast<uint4*>(dst + r * S + c) = val;
+    // kBatch chunks a thread loaded before any is stored (shared stores through a generic pointer
+    // would otherwise keep the compiler from hoisting the next load above them).
+    constexpr int kBatch = 4;
+    const int chunks = ncols / 8, total = nrows * chunks;
+    for (int x0 = threadIdx.x; x0 < total; x0 += kBatch * kThreads) {
+      uint4 val[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int x = x0 + u * kThreads, r = x / chunks, c = (x % chunks) * 8;
+        const int i = x < total ? pos[r] : -1;
+        val[u] = i >= 0 && c < nvalid ? *reinterpret_cast<const uint4*>(src + (int64_t)i * stride + c)
+                                      : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int x = x0 + u * kThreads, r = x / chunks, c = (x % chunks) * 8;
+        if (x < total) *reinterpret_cast<uint4*>(dst + r * S + c) = val[u];
+      }
     }
   } else {
     const bf16 zero = __float2bfloat16(0.f);
@@ -99,22 +111,48 @@ __device__ __forceinline__ void atomic_add_row(float* dst, const float (&acc)[DB
   }
 }
 
-// Δ_i = dO_i·O_i - dlse_i of the block's queries into dl[0..kQ) (0 for rows without a query), a
-// warp per row; O is the forward's output (gp.fwd.out).
+// Δ_i = dO_i·O_i - dlse_i of the block's queries into dl[0..kQ) (0 for rows without a query), two
+// threads per row, each over half of the head dim (16-byte loads where Dv % 16 == 0 and the rows
+// are aligned, all of a thread's loads issued before its sums); O is the forward's output
+// (gp.fwd.out). A warp per row, 16 rows one after another, was the longest part of a block with one
+// or two key tiles: each row waited for its loads and a warp reduction.
 __device__ __forceinline__ void block_delta(float* dl, const AttentionGradParams& gp, const Sizes& z,
                                             const int32_t* rows, int64_t b, int64_t h, int64_t bh) {
+  static_assert(kThreads == 2 * kQ, "two threads per row");
   const int64_t sv = (int64_t)z.H * z.Dv, off = ((int64_t)b * z.L * z.H + h) * z.Dv;
   const bf16* dout = (const bf16*)gp.dout + off;
   const bf16* out = (const bf16*)gp.fwd.out + off;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < kQ; r += kThreads / 32) {
-    const int i = rows[r];
-    float acc = 0.f;
-    if (i >= 0)
-      for (int d = lane; d < z.Dv; d += 32) acc += to_f32(dout[i * sv + d]) * to_f32(out[i * sv + d]);
-    acc = cuda::warp_sum(acc);
-    if (lane == 0) dl[r] = i >= 0 ? acc - (gp.dlse ? ((const float*)gp.dlse)[bh * z.L + i] : 0.f) : 0.f;
+  const int r = threadIdx.x / 2, half = threadIdx.x % 2, i = rows[r];
+  float acc = 0.f;
+  if (i >= 0) {
+    const bf16* g = dout + i * sv;
+    const bf16* o = out + i * sv;
+    if (z.vec_v && z.Dv % 16 == 0 && cuda::aligned16(gp.fwd.out)) {
+      constexpr int kBatch = 4;  // 16-byte chunks loaded at once (a half row at Dv = 128 is 4)
+      const int n = z.Dv / 16;     // chunks of a half row
+      for (int u0 = 0; u0 < n; u0 += kBatch) {
+        uint4 a[kBatch], c[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (u0 + u < n) {
+            a[u] = __ldg(reinterpret_cast<const uint4*>(g) + half * n + u0 + u);
+            c[u] = __ldg(reinterpret_cast<const uint4*>(o) + half * n + u0 + u);
+          }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (u0 + u < n) {
+            const bf16* x = reinterpret_cast<const bf16*>(&a[u]);
+            const bf16* y = reinterpret_cast<const bf16*>(&c[u]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc += to_f32(x[e]) * to_f32(y[e]);
+          }
+      }
+    } else {
+      for (int d = half; d < z.Dv; d += 2) acc += to_f32(g[d]) * to_f32(o[d]);
+    }
   }
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  if (half == 0) dl[r] = i >= 0 ? acc - (gp.dlse ? ((const float*)gp.dlse)[bh * z.L + i] : 0.f) : 0.f;
 }
 
 template <int DB, bool kAsync>
