@@ -327,17 +327,41 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
 }
 
 // Both backward kernels' start: the block's query rows into bs.rows, their q and dout rows into
-// sQ and sdO (kQ rows each).
-template <int S, int DB>
+// sQ and sdO (kQ rows each). kAsync: by cp.async, one committed group that the first tile's wait
+// (TileStream::begin) completes, so the copies overlap Δ and the first key tile's; a block
+// without tiles waits for it itself (wait_block_q_do).
+template <int S, int DB, bool kAsync>
 __device__ __forceinline__ void load_block_q_do(bf16* sQ, bf16* sdO, BlockShared& bs, const AttentionGradParams& gp,
                                                 const Sizes& z, int64_t bh, int64_t blk) {
   const int64_t b = bh / z.H, h = bh % z.H;
   block_queries(bs.rows, gp.fwd, z, bh, blk);
   __syncthreads();
-  gather_rows<S>(sQ, (const bf16*)gp.fwd.q + (b * z.L * z.H + h) * z.D, (int64_t)z.H * z.D, bs.rows, kQ, z.D, DB,
-                 z.vec_qk);
-  gather_rows<S>(sdO, (const bf16*)gp.dout + (b * z.L * z.H + h) * z.Dv, (int64_t)z.H * z.Dv, bs.rows, kQ, z.Dv, DB,
-                 z.vec_v);
+  const bf16* q = (const bf16*)gp.fwd.q + (b * z.L * z.H + h) * z.D;
+  const bf16* dout = (const bf16*)gp.dout + (b * z.L * z.H + h) * z.Dv;
+  if constexpr (kAsync) {
+    using Copy = cuda::TileCopy<kQ, DB, kThreads>;
+    int32_t pos[Copy::kPer];
+#pragma unroll
+    for (int e = 0; e < Copy::kPer; ++e) pos[e] = bs.rows[Copy::row(e)];
+    Copy::template gather<S>(sQ, q, (int64_t)z.H * z.D, pos, z.D);
+    Copy::template gather<S>(sdO, dout, (int64_t)z.H * z.Dv, pos, z.Dv);
+    cuda::cp_async_commit();
+  } else {
+    gather_rows<S>(sQ, q, (int64_t)z.H * z.D, bs.rows, kQ, z.D, DB, z.vec_qk);
+    gather_rows<S>(sdO, dout, (int64_t)z.H * z.Dv, bs.rows, kQ, z.Dv, DB, z.vec_v);
+  }
+}
+
+// A block without key tiles completes load_block_q_do's copies before its epilogue (which writes
+// through sQ); ntiles is the same in the whole block.
+template <bool kAsync>
+__device__ __forceinline__ void wait_block_q_do(int ntiles) {
+  if constexpr (kAsync) {
+    if (ntiles == 0) {
+      cuda::cp_async_wait<0>();
+      __syncthreads();
+    }
+  }
 }
 
 // What both backward tile kernels set up for their block: the shared-memory tiles (sQ, sdO, then
@@ -369,7 +393,7 @@ struct GradBlock {
   }
 
   __device__ void load(BlockShared& bs, const AttentionGradParams& gp, const Sizes& z) {
-    load_block_q_do<S, DB>(sQ, sdO, bs, gp, z, bh, blk);
+    load_block_q_do<S, DB, kAsync>(sQ, sdO, bs, gp, z, bh, blk);
   }
 
   // The block's key tiles streamed into sK, sV (with the mask words when with_mask).
@@ -416,6 +440,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
 
   float acc[DT][4] = {};
   const int ntiles = (count + kTK - 1) / kTK;
+  wait_block_q_do<kAsync>(ntiles);
   TileStream<S, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, false);
   ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
@@ -475,6 +500,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool pairs_k = z.D % 2 == 0, pairs_v = z.Dv % 2 == 0;
 
   const int ntiles = (count + kTK - 1) / kTK;
+  wait_block_q_do<kAsync>(ntiles);
   TileStream<S, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
   ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
