@@ -12,8 +12,10 @@ std::tuple<at::Tensor, at::Tensor> lsh_band_attention(const at::Tensor& q, const
   const at::Tensor vs = ops::permute_rows(v, band.k_order, false);
   auto [out_s, lse_s] = ops::causal_attention(qs, ks, vs, {}, 0, scale, band.band);
   at::Tensor out = ops::permute_rows(out_s, band.q_order, true);
-  at::Tensor lse = at::scatter(at::empty_like(lse_s), 2, band.q_order.to(at::kLong), lse_s);  // (B, H, L)
-  return {out, lse};
+  // lse (B, H, L) back to position order: rows of length 1, one (b·h) row each.
+  const int64_t B = lse_s.size(0), H = lse_s.size(1), L = lse_s.size(2);
+  at::Tensor lse = ops::permute_rows(lse_s.reshape({B * H, L, 1, 1}), band.q_order.reshape({B * H, 1, L}), true);
+  return {out, lse.view({B, H, L})};
 }
 
 }  // namespace hax

@@ -155,6 +155,18 @@ __device__ __forceinline__ void block_delta(float* dl, const AttentionGradParams
   if (half == 0) dl[r] = i >= 0 ? acc - (gp.dlse ? ((const float*)gp.dlse)[bh * z.L + i] : 0.f) : 0.f;
 }
 
+// A block without key tiles completes its asynchronous q (and dout) copies before its epilogue
+// (which writes through sQ); ntiles is the same in the whole block.
+template <bool kAsync>
+__device__ __forceinline__ void wait_block_q_do(int ntiles) {
+  if constexpr (kAsync) {
+    if (ntiles == 0) {
+      cuda::cp_async_wait<0>();
+      __syncthreads();
+    }
+  }
+}
+
 template <int DB, bool kAsync>
 struct Cfg {
   static constexpr int S = DB + 8;  // shared row stride (bfloat16 entries)
@@ -279,11 +291,21 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
 
   block_queries(bs.rows, p, z, bh, blk);
   __syncthreads();
-  gather_rows<S>(sQ, q, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
+  if constexpr (kAsync) {  // completed with the first key tile (as load_block_q_do)
+    using Copy = cuda::TileCopy<kQ, DB, kThreads>;
+    int32_t pos[Copy::kPer];
+#pragma unroll
+    for (int e = 0; e < Copy::kPer; ++e) pos[e] = bs.rows[Copy::row(e)];
+    Copy::template gather<S>(sQ, q, sqk, pos, z.D);
+    cuda::cp_async_commit();
+  } else {
+    gather_rows<S>(sQ, q, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
+  }
   const int rr[2] = {r0 + g, r0 + g + 8};  // the thread's two rows of the block
 
   float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int ntiles = (count + kTK - 1) / kTK;
+  wait_block_q_do<kAsync>(ntiles);
   TileStream<S, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
                            p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB, ntiles,
                            z.vec_qk, z.vec_v, false};
@@ -352,17 +374,6 @@ __device__ __forceinline__ void load_block_q_do(bf16* sQ, bf16* sdO, BlockShared
   }
 }
 
-// A block without key tiles completes load_block_q_do's copies before its epilogue (which writes
-// through sQ); ntiles is the same in the whole block.
-template <bool kAsync>
-__device__ __forceinline__ void wait_block_q_do(int ntiles) {
-  if constexpr (kAsync) {
-    if (ntiles == 0) {
-      cuda::cp_async_wait<0>();
-      __syncthreads();
-    }
-  }
-}
 
 // What both backward tile kernels set up for their block: the shared-memory tiles (sQ, sdO, then
 // the key tiles sK, sV), the block's place, the thread's place in its warp's fragments, the rows
