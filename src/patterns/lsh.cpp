@@ -170,14 +170,24 @@ at::Tensor lsh_buckets(const at::Tensor& x, const at::Tensor& proj, Binning binn
   return detail::on(buckets_cpu(x, proj, binning, seq), x.device());
 }
 
+namespace {
+
+// The checks of lsh() and lsh_band(): q, k (B, L, H, N) alike, keys > 0, proj (N, h). Returns h.
+int64_t check_lsh_args(const char* op, const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj,
+                       Binning binning) {
+  check_vectors(op, "q", q);
+  ops::check_shape(op, "k", k, q.sizes().vec(), "(B, L, H, N) like q");
+  ops::check_floating(op, "k", k);
+  detail::check_positive(op, "keys", keys);
+  return check_proj(op, proj, q.size(3), binning);
+}
+
+}  // namespace
+
 KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
              const at::Tensor& seq_idx) {
   constexpr const char* kOp = "lsh";
-  check_vectors(kOp, "q", q);
-  ops::check_shape(kOp, "k", k, q.sizes().vec(), "(B, L, H, N) like q");
-  ops::check_floating(kOp, "k", k);
-  detail::check_positive(kOp, "keys", keys);
-  const int64_t h = check_proj(kOp, proj, q.size(3), binning);
+  const int64_t h = check_lsh_args(kOp, q, k, keys, proj, binning);
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), K = keys;
   if (q.is_cuda())
     return detail::lsh_device(q.detach(), k.detach(), keys, proj, binning,
@@ -235,11 +245,7 @@ KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::T
 LshBand lsh_band(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
                  const at::Tensor& seq_idx) {
   constexpr const char* kOp = "lsh_band";
-  check_vectors(kOp, "q", q);
-  ops::check_shape(kOp, "k", k, q.sizes().vec(), "(B, L, H, N) like q");
-  ops::check_floating(kOp, "k", k);
-  detail::check_positive(kOp, "keys", keys);
-  check_proj(kOp, proj, q.size(3), binning);
+  check_lsh_args(kOp, q, k, keys, proj, binning);
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), K = keys, n = B * H * L;
   if (q.is_cuda())
     return detail::lsh_band_device(q.detach(), k.detach(), keys, proj, binning,
