@@ -94,7 +94,7 @@ namespace {
 
 // Whether the GPU runs LSH as a band (layers/lsh_attention.h) for a pattern of `parts` parts:
 // HAX_LSH_BAND unset: LSH alone only (LSH with Key Selection, HAX, measured faster through the
-// merged lists: 7.2 against 8.7 ms fwd+bwd at 64K on the H100, BENCHMARKS.md, eleventh pass);
+// merged lists: 6.1 against 7.3 ms fwd+bwd at 64K on the H100, BENCHMARKS.md, eleventh pass);
 // 1: always; 0: never (LSH through its lists, for comparisons).
 bool lsh_as_band(size_t parts) {
   static const int mode = [] {
