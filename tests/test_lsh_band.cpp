@@ -41,7 +41,6 @@ void expect_band_equals_lists(const pat::LshBand& band, const pat::KeyLists& lis
   auto x = idx.accessor<int32_t, 4>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      std::vector<int> seen(L, 0);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t i = q[b][h][t], first = a[0][b][h][t], last = a[1][b][h][t];
         std::vector<int32_t> from_band, from_lists;
