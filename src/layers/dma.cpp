@@ -2,6 +2,7 @@
 
 #include "layers/project.h"
 #include "ops/attention/attention.h"
+#include "ops/attention/blocks.h"
 #include "patterns/pattern.h"
 
 namespace hax {
@@ -15,12 +16,22 @@ at::Tensor DynamicMaskWeights::forward(const at::Tensor& v) { return at::exp(at:
 
 at::Tensor dma_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& delta,
                          int64_t w, const at::Tensor& seq_idx, double scale) {
+  const at::Tensor bias = delta.permute({0, 2, 1}).contiguous();  // (B, H, L)
+  // The GPU's tile kernels take the pattern in its block form (no lists, no plan kernel).
+  if (w <= patterns::kTopKBlocksMaxK && w < q.size(1) && ops::sparse_attention_blocks_native(q, v)) {
+    ops::TileBlocks blocks;
+    {
+      torch::NoGradGuard ng;
+      blocks = patterns::top_k_prefix_blocks(delta.detach(), w, seq_idx);
+    }
+    return std::get<0>(ops::sparse_attention_blocks(q, k, v, blocks, bias, scale));
+  }
   at::Tensor idx;
   {
     torch::NoGradGuard ng;
     idx = patterns::top_k_prefix(delta.detach(), w, seq_idx).idx;  // (B, H, L, w)
   }
-  return std::get<0>(ops::sparse_attention(q, k, v, idx, delta.permute({0, 2, 1}).contiguous(), {}, {}, scale));
+  return std::get<0>(ops::sparse_attention(q, k, v, idx, bias, {}, {}, scale));
 }
 
 }  // namespace hax

@@ -13,6 +13,7 @@
 #include "layers/host_inputs.h"
 #include "layers/lsh_attention.h"
 #include "ops/attention/attention.h"
+#include "ops/attention/blocks.h"
 #include "ops/causal_attention/causal_attention.h"
 
 namespace hax {
@@ -162,6 +163,21 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     RECORD_USER_SCOPE("hax::sparse_attention");
     auto [o2, lse2] = ops::sparse_attention(q, k, vh, others.idx, {}, {}, others.q_order, 1.0);
     return ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2);
+  }
+  // GPU, Key Selection alone: its block form (the prefix top-k plus each block's own keys) goes
+  // straight to the tile kernels, without lists or a plan kernel.
+  if (parts_.size() == 1 && parts_[0] == "ks" && !(ctx && ctx->record) && keys_per_part_ <= patterns::kTopKBlocksMaxK &&
+      keys_per_part_ < L && ops::sparse_attention_blocks_native(q, vh)) {
+    ops::TileBlocks blocks;
+    {
+      RECORD_USER_SCOPE("hax::ks_scores_and_blocks");
+      scores = scorer->forward(k, q, seq_idx);  // (B, L, H)
+      torch::NoGradGuard ng;
+      blocks = patterns::top_k_prefix_blocks(scores.detach(), keys_per_part_, seq_idx);
+    }
+    if (scores_out) *scores_out = scores;
+    RECORD_USER_SCOPE("hax::sparse_attention");
+    return std::get<0>(ops::sparse_attention_blocks(q, k, vh, blocks, {}, 1.0));
   }
   std::vector<patterns::KeyLists> parts = part_lists(q, k, seq_idx, ctx, &scores);
   if (scores_out) *scores_out = scores;

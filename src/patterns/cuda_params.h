@@ -167,8 +167,15 @@ struct TopKPrefixParams {
   uint64_t* block_prefix = nullptr;  // workspace (B, H, top_k_blocks(L), k): top k of the sequence before each block
   uint64_t* super_top = nullptr;     // workspace (B, H, top_k_supers(L), k): each super block's top k
   uint64_t* super_prefix = nullptr;  // workspace (B, H, top_k_supers(L), k): top k before each super block
-  int32_t* out = nullptr;            // out (B, H, L, k)
+  int32_t* out = nullptr;            // out (B, H, L, k), or null with plan_count set
+  // The block form of ops/attention/blocks.h instead of lists, when plan_count is set (then
+  // k + kTopKBlock <= 512: a block's union is at most its prefix's k keys and its own 64):
+  int32_t* plan_count = nullptr;     // out (B, H, top_k_blocks(L)) keys in each block's union
+  int32_t* plan_keys = nullptr;      // out (B, H, top_k_blocks(L), 512) the union ascending, -1 padded
+  uint64_t* plan_mask = nullptr;     // out (B, H, top_k_blocks(L), 8, 64) a bit per (query, union key)
 };
+// The largest k of the block form.
+constexpr int64_t kTopKPlanMaxK = 512 - kTopKBlock;
 void top_k_prefix_cuda(const TopKPrefixParams& p, DType dtype, void* stream);
 
 // ---------------------------------------------------------------------------------------------

@@ -184,6 +184,24 @@ at::Tensor exclude_band_device(const at::Tensor& idx0, const LshBand& band) {
   return out;
 }
 
+namespace {
+
+// Runs the top_k_prefix kernels (k < L) with p's outputs set by the caller; the workspace lives
+// until the kernels are queued.
+void run_top_k_prefix(TopKPrefixParams& p, const at::Tensor& scores, const at::Tensor& seq) {
+  const at::Device dev = scores.device();
+  const SequenceBounds bounds = sequence_bounds_device(seq, p.B, p.L, dev);
+  const int64_t lists_blk = p.B * p.H * top_k_blocks(p.L) * p.k, lists_sup = p.B * p.H * top_k_supers(p.L) * p.k;
+  const at::Tensor work = at::empty({2 * lists_blk + 2 * lists_sup}, at::TensorOptions().dtype(at::kLong).device(dev));
+  uint64_t* w = (uint64_t*)work.data_ptr<int64_t>();
+  p.scores = scores.data_ptr(), p.start = bounds.start.data_ptr<int32_t>();
+  p.block_top = w, p.block_prefix = w + lists_blk;
+  p.super_top = w + 2 * lists_blk, p.super_prefix = w + 2 * lists_blk + lists_sup;
+  top_k_prefix_cuda(p, ops::kernel_dtype(scores), stream_of(scores));
+}
+
+}  // namespace
+
 at::Tensor top_k_prefix_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
   const at::Tensor scores = scores0.detach().contiguous();
   const at::Device dev = scores.device();
@@ -193,18 +211,32 @@ at::Tensor top_k_prefix_device(const at::Tensor& scores0, int64_t k, const at::T
   HAX_CHECK(k <= kTopKMaxK, "top_k_prefix: k = {} is above the CUDA kernels' {}", k, kTopKMaxK);
   at::Tensor idx = ops::new_output({B, H, L, k}, int32_on(dev));
   if (B * H == 0) return idx;
-  const SequenceBounds bounds = sequence_bounds_device(seq, B, L, dev);
-  const int64_t lists_blk = B * H * top_k_blocks(L) * k, lists_sup = B * H * top_k_supers(L) * k;
-  const at::Tensor work = at::empty({2 * lists_blk + 2 * lists_sup}, at::TensorOptions().dtype(at::kLong).device(dev));
-  uint64_t* w = (uint64_t*)work.data_ptr<int64_t>();
   TopKPrefixParams p;
   p.B = B, p.L = L, p.H = H, p.k = k;
-  p.scores = scores.data_ptr(), p.start = bounds.start.data_ptr<int32_t>();
-  p.block_top = w, p.block_prefix = w + lists_blk;
-  p.super_top = w + 2 * lists_blk, p.super_prefix = w + 2 * lists_blk + lists_sup;
   p.out = idx.data_ptr<int32_t>();
-  top_k_prefix_cuda(p, ops::kernel_dtype(scores), stream_of(idx));
+  run_top_k_prefix(p, scores, seq);
   return idx;
+}
+
+ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
+  const at::Tensor scores = scores0.detach().contiguous();
+  const at::Device dev = scores.device();
+  const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2), nblk = top_k_blocks(L);
+  HAX_CHECK(k < L && k <= kTopKPlanMaxK, "top_k_prefix_blocks: k = {} must be below L = {} and at most {}", k, L,
+            kTopKPlanMaxK);
+  ops::TileBlocks bl;
+  bl.count = ops::new_output({B, H, nblk}, int32_on(dev));
+  bl.keys = ops::new_output({B, H, nblk, ops::kAttentionTileMaxKeys}, int32_on(dev));
+  bl.mask = ops::new_output({B, H, nblk, ops::kAttentionTilesPerBlock, ops::kAttentionTileQueries},
+                            at::TensorOptions().dtype(at::kLong).device(dev));
+  bl.max_keys = k;
+  if (B * H * L == 0) return bl;
+  TopKPrefixParams p;
+  p.B = B, p.L = L, p.H = H, p.k = k;
+  p.plan_count = bl.count.data_ptr<int32_t>(), p.plan_keys = bl.keys.data_ptr<int32_t>();
+  p.plan_mask = reinterpret_cast<uint64_t*>(bl.mask.data_ptr<int64_t>());
+  run_top_k_prefix(p, scores, seq);
+  return bl;
 }
 
 at::Tensor merge_device(const at::Tensor& a0, const at::Tensor& b0) {
@@ -322,6 +354,7 @@ LshBand lsh_band_device(const at::Tensor&, const at::Tensor&, int64_t, const at:
 }
 at::Tensor exclude_band_device(const at::Tensor&, const LshBand&) { no_kernels(); }
 at::Tensor top_k_prefix_device(const at::Tensor&, int64_t, const at::Tensor&) { no_kernels(); }
+ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor&, int64_t, const at::Tensor&) { no_kernels(); }
 at::Tensor merge_device(const at::Tensor&, const at::Tensor&) { no_kernels(); }
 ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, const at::Device&) { no_kernels(); }
 at::Tensor top_k_chunks_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {

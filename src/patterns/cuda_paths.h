@@ -45,6 +45,10 @@ KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, cons
 // top_k_prefix of scores (B, L, H) (float32 or bfloat16): (B, H, L, k) on its device.
 at::Tensor top_k_prefix_device(const at::Tensor& scores, int64_t k, const at::Tensor& seq);
 
+// top_k_prefix_blocks of scores (B, L, H) (float32 or bfloat16), k < L and k <= kTopKPlanMaxK: the
+// block form on its device.
+ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores, int64_t k, const at::Tensor& seq);
+
 // merge's lists: the union of a (B, H, L, Ka) and b (B, H, L, Kb) int32, on a's device.
 at::Tensor merge_device(const at::Tensor& a, const at::Tensor& b);
 

@@ -13,6 +13,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+
+#include "ops/attention/blocks.h"
 #include <optional>
 #include <string>
 
@@ -83,6 +85,14 @@ KeyLists exclude_band(const KeyLists& a, const LshBand& band);
 // the earlier position wins), computed incrementally (the set changes by at most one key per
 // step). scores: (B, L, H).
 KeyLists top_k_prefix(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
+
+// The same pattern in the block form of ops/attention/blocks.h, for ops::sparse_attention_blocks
+// (no lists): the keys of a block of 64 queries are its prefix's top k and its own positions, so
+// its union fits when k <= kTopKBlocksMaxK = 448 (checked; also 1 <= k). CUDA scores: built by the
+// query kernels directly; CPU: tile_blocks_from_lists of top_k_prefix's lists (the definition).
+// max_keys = k.
+constexpr int64_t kTopKBlocksMaxK = ops::kAttentionTileMaxKeys - ops::kAttentionTileQueries;
+ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
 
 // The union of two patterns' lists for each query (duplicates removed, ascending), K = Ka + Kb
 // slots. q_order is a's if defined, else b's.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "patterns/cuda_params.h"
 #include "patterns/internal.h"
 #include "patterns/pattern.h"
 
@@ -74,6 +75,30 @@ KeyLists top_k_prefix(const at::Tensor& scores0, int64_t k, const at::Tensor& se
   else
     top_k_kernel<float>(scores, k, seq, idx);
   return {detail::on(idx, scores0.device()), at::Tensor()};
+}
+
+}  // namespace hax::patterns
+
+namespace hax::patterns {
+
+static_assert(kTopKBlocksMaxK == kTopKPlanMaxK, "the public and the kernels' limits of the block form");
+
+ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx) {
+  constexpr const char* kOp = "top_k_prefix_blocks";
+  ops::check_rank(kOp, "scores", scores, 3, "(B, L, H)");
+  ops::check_floating(kOp, "scores", scores);
+  detail::check_positive(kOp, "k", k);
+  HAX_CHECK(k <= kTopKPlanMaxK,
+            "{}: k = {} must be at most {} (a block's keys, its prefix's top k and its own 64 positions, must fit the "
+            "512 of a block); use top_k_prefix's lists",
+            kOp, k, kTopKPlanMaxK);
+  const int64_t B = scores.size(0), L = scores.size(1);
+  detail::check_sizes(kOp, B, scores.size(2), L);
+  if (scores.is_cuda() && k < L) {
+    const at::Tensor seq = ops::check_seq_idx(kOp, detail::on(seq_idx, scores.device()), B, L);
+    return detail::top_k_prefix_blocks_device(scores, k, seq);
+  }
+  return ops::tile_blocks_from_lists(top_k_prefix(scores, k, seq_idx).idx, L);
 }
 
 }  // namespace hax::patterns

@@ -24,9 +24,15 @@
 //                        the selected candidates in U order (= ascending positions), compacted by
 //                        ballots; -1 after.
 // The scans merge in shared memory (three k-lists per warp).
+// Block form (TopKPrefixParams::plan_count set; ops/attention/blocks.h): the query kernels keep
+// each query's selection as a ballot word per 32 candidates instead of writing its list, and
+// emit_block then writes the block's plan directly: the union is the candidates some query
+// selects (in U order, so ascending), each query's bits those of its selection. This is exactly
+// the plan the tile plan kernel would build from the lists, without the lists or a hash set.
 #include <climits>
 #include <cmath>
 
+#include "ops/attention/params.h"
 #include "patterns/cuda/list_utils.cuh"
 
 namespace hax::patterns {
@@ -34,6 +40,8 @@ namespace {
 
 using ops::cuda::to_f32;
 static_assert(kTopKBlock == 64, "block_top ranks two candidates per lane");
+static_assert(kTopKBlock == ops::kAttentionTileQueries, "a top-k block is a block of the attention plan");
+static_assert(kTopKPlanMaxK + kTopKBlock == ops::kAttentionTileMaxKeys, "the block form's union must fit the plan");
 
 // The comparison key of a score at position pos (larger = better; see TopKPrefixParams).
 __device__ __forceinline__ uint64_t score_key(float v, int64_t pos) {
@@ -307,27 +315,82 @@ __device__ void warp_bitonic_sort(int32_t* a, int64_t n, int lane) {
     }
 }
 
+// Writes the plan of block w (nq queries, candidates U = upos[0..nU), ascending) from the queries'
+// selections: bit l of selm[q * ws + c] says query q selects U entry 32 c + l. The union is the
+// entries some query selects; lane c first finds chunk c's (`used`) and where they start in the
+// union (`base`, a warp scan). Each lane then writes the mask rows of queries lane and lane + 32,
+// walking their selected entries in union order and storing each 64-key tile's word once.
+__device__ void emit_block(const TopKPrefixParams& p, int64_t w, const uint32_t* selm, int ws, const int32_t* upos,
+                           int nU, int nq, int lane) {
+  constexpr int kQ = (int)ops::kAttentionTileQueries, kU = (int)ops::kAttentionTileMaxKeys;
+  constexpr int kTiles = (int)ops::kAttentionTilesPerBlock;
+  const unsigned lanes_below = (1u << lane) - 1;
+  const int W = (nU + 31) / 32;  // <= 512 / 32
+  uint32_t used = 0;
+  if (lane < W)
+    for (int q = 0; q < nq; ++q) used |= selm[q * ws + lane];
+  const int n = __popc(used);
+  int incl = n;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(dev::kFullMask, incl, o);
+    if (lane >= o) incl += v;
+  }
+  const int base = incl - n, total = __shfl_sync(dev::kFullMask, incl, 31);
+  int32_t* keys = p.plan_keys + w * kU;
+  for (int c = 0; c < W; ++c) {
+    const uint32_t uc = __shfl_sync(dev::kFullMask, used, c);
+    const int bc = __shfl_sync(dev::kFullMask, base, c);
+    if ((uc >> lane) & 1u) keys[bc + __popc(uc & lanes_below)] = upos[32 * c + lane];
+  }
+  for (int t = total + lane; t < kU; t += 32) keys[t] = -1;
+  if (lane == 0) p.plan_count[w] = total;
+  const int ntiles = (total + 63) / 64;
+  uint64_t* mout = p.plan_mask + w * kTiles * kQ;
+  for (int q = lane; q < kQ; q += 32) {  // two rounds, every lane in both (the shuffles below)
+    int tile = 0;
+    uint64_t cur = 0;
+    for (int c = 0; c < W; ++c) {
+      const uint32_t uc = __shfl_sync(dev::kFullMask, used, c);
+      const int bc = __shfl_sync(dev::kFullMask, base, c);
+      uint32_t m = q < nq ? selm[q * ws + c] : 0u;  // a subset of uc
+      while (m) {
+        const int l = __ffs(m) - 1;
+        m &= m - 1;
+        const int x = bc + __popc(uc & ((1u << l) - 1u));  // the entry's place in the union
+        for (; tile < x / 64; ++tile, cur = 0) mout[tile * kQ + q] = cur;
+        cur |= 1ull << (x % 64);
+      }
+    }
+    for (; tile < ntiles; ++tile, cur = 0) mout[tile * kQ + q] = cur;
+  }
+}
+
 // The shared memory layout of one query_kernel warp.
 struct QueryShared {
-  uint64_t* key;  // (k + 64): candidate keys, in U order
-  int32_t* pos;   // (pow2 >= k) + 64: candidate positions, U order (the prefix part sorted in place)
-  uint8_t* sel;   // (k + 64): selected flags
+  uint64_t* key;   // (k + 64): candidate keys, in U order
+  int32_t* pos;    // (pow2 >= k) + 64: candidate positions, U order (the prefix part sorted in place)
+  uint32_t* selm;  // block form: (64, ws) each query's selection words, ws = plan_words(k)
+  uint8_t* sel;    // (k + 64): selected flags
 };
-__device__ __forceinline__ QueryShared query_shared(unsigned char* base, int64_t k, int64_t sort_len) {
+// Selection words of a query in the block form: one per 32 of the k + 64 candidates (else 0).
+HAX_HOST_DEVICE inline int64_t plan_words(int64_t k, bool plan) { return plan ? (k + kTopKBlock + 31) / 32 : 0; }
+__device__ __forceinline__ QueryShared query_shared(unsigned char* base, int64_t k, int64_t sort_len, int64_t ws) {
   QueryShared s;
   s.key = (uint64_t*)base;
   s.pos = (int32_t*)(s.key + k + kTopKBlock);
-  s.sel = (uint8_t*)(s.pos + sort_len + kTopKBlock);
+  s.selm = (uint32_t*)(s.pos + sort_len + kTopKBlock);
+  s.sel = (uint8_t*)(s.selm + kTopKBlock * ws);
   return s;
 }
 
-template <class T>
+template <class T, bool kPlan>
 __global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_per_warp) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1;
   const int64_t nblk = top_k_blocks(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
-  const QueryShared sh = query_shared(smem + (threadIdx.x / 32) * smem_per_warp, p.k, sort_len);
+  const int ws = (int)plan_words(p.k, kPlan);
+  const QueryShared sh = query_shared(smem + (threadIdx.x / 32) * smem_per_warp, p.k, sort_len, ws);
   for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < p.B * p.H * nblk; w += warps) {
     const int64_t blk = w % nblk, bh = w / nblk, b = bh / p.H, h = bh % p.H;
     const int32_t* start = p.start + b * p.L;
@@ -375,6 +438,15 @@ __global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_
         --count;
         __syncwarp();
       }
+      if constexpr (kPlan) {  // the selection's words (the entries past ui are not selected yet)
+        for (int64_t c = 0; c < ws; ++c) {
+          const int64_t u = 32 * c + lane;
+          const unsigned m = __ballot_sync(dev::kFullMask, u <= ui && sh.sel[u]);
+          if (lane == 0) sh.selm[(i - t0) * ws + c] = m;
+        }
+        __syncwarp();
+        continue;
+      }
       // The list: the selected candidates of U[a..ui] in U order, compacted by ballots.
       int32_t* dst = p.out + (bh * p.L + i) * p.k;
       int64_t filled = 0;
@@ -388,6 +460,8 @@ __global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_
       for (int64_t t = filled + lane; t < p.k; t += 32) dst[t] = -1;
       __syncwarp();
     }
+    if constexpr (kPlan) emit_block(p, w, sh.selm, ws, sh.pos, (int)nU, (int)(t1 - t0), lane);
+    __syncwarp();  // the next block's writes come after every lane's reads
   }
 }
 
@@ -398,9 +472,10 @@ __global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_
 // the same as the general kernel's: the selection after query i is the top k of its eligible keys.
 constexpr int kQueryWarps = 4;
 constexpr int kSmallChunks = 3;  // U chunks of 32: k + 64 <= 96 entries
-template <class T>
+template <class T, bool kPlan>
 __global__ void query_small_kernel(TopKPrefixParams p) {
   __shared__ int32_t upos_s[kQueryWarps][kSmallChunks * 32];
+  __shared__ uint32_t selm_s[kPlan ? kQueryWarps : 1][kTopKBlock * kSmallChunks];  // block form: (64, 3) words
   const int lane = threadIdx.x % 32, K = (int)p.k;
   const unsigned lanes_below = (1u << lane) - 1;
   int32_t* upos = upos_s[threadIdx.x / 32];
@@ -464,6 +539,14 @@ __global__ void query_small_kernel(TopKPrefixParams p) {
         set_sel(ui, true);
         if (last_key != 0) set_sel(last_u, false);
       }
+      if constexpr (kPlan) {
+#pragma unroll
+        for (int c = 0; c < kSmallChunks; ++c) {
+          const unsigned m = __ballot_sync(dev::kFullMask, sel_c[c]);
+          if (lane == 0) selm_s[threadIdx.x / 32][q * kSmallChunks + c] = m;
+        }
+        continue;
+      }
       // The list: the selected candidates in U order, compacted by ballots.
       int32_t* dst = p.out + (bh * p.L + i) * p.k;
       int filled = 0;
@@ -475,6 +558,11 @@ __global__ void query_small_kernel(TopKPrefixParams p) {
       }
       for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
     }
+    if constexpr (kPlan) {
+      __syncwarp();
+      emit_block(p, w, selm_s[threadIdx.x / 32], kSmallChunks, upos, nU, n_own, lane);
+      __syncwarp();  // upos and the words are read before the next block's writes
+    }
   }
 }
 
@@ -485,8 +573,9 @@ int64_t sort_len_for(int64_t k) {
   while (n < k) n *= 2;
   return n;
 }
-int64_t query_smem_per_warp(int64_t k) {
-  return ((k + kTopKBlock) * 8 + (sort_len_for(k) + kTopKBlock) * 4 + (k + kTopKBlock) + 15) / 16 * 16;
+int64_t query_smem_per_warp(int64_t k, bool plan) {
+  return ((k + kTopKBlock) * 8 + (sort_len_for(k) + kTopKBlock) * 4 + kTopKBlock * plan_words(k, plan) * 4 +
+          (k + kTopKBlock) + 15) / 16 * 16;
 }
 
 // Warps per block for `per_warp` bytes of shared memory each: up to 4 within the default 48 KiB,
@@ -504,7 +593,7 @@ int warps_for(Kernel kernel, int64_t per_warp) {
   return warps;
 }
 
-template <class T>
+template <class T, bool kPlan>
 void launch(const TopKPrefixParams& p, cudaStream_t st) {
   const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), BH = p.B * p.H;
   block_top_kernel<T><<<dev::grid_for(BH * nblk * 32, dev::kThreads), dev::kThreads, 0, st>>>(p);
@@ -518,7 +607,7 @@ void launch(const TopKPrefixParams& p, cudaStream_t st) {
     ops::cuda::check_launch("top_k_prefix (super prefix)");
     block_prefix_small_kernel<<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (block prefix)");
-    query_small_kernel<T><<<dev::grid_for(BH * nblk, kQueryWarps), kQueryWarps * 32, 0, st>>>(p);
+    query_small_kernel<T, kPlan><<<dev::grid_for(BH * nblk, kQueryWarps), kQueryWarps * 32, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (queries)");
     return;
   }
@@ -533,10 +622,10 @@ void launch(const TopKPrefixParams& p, cudaStream_t st) {
   block_prefix_kernel<<<dev::grid_for(BH * nsup, warps), warps * 32, warps * scan_smem, st>>>(p, scan_smem);
   ops::cuda::check_launch("top_k_prefix (block prefix)");
 
-  const int64_t query_smem = query_smem_per_warp(p.k);
-  warps = warps_for(query_kernel<T>, query_smem);
-  query_kernel<T><<<dev::grid_for(BH * nblk, warps), warps * 32, warps * query_smem, st>>>(p, sort_len_for(p.k),
-                                                                                           query_smem);
+  const int64_t query_smem = query_smem_per_warp(p.k, kPlan);
+  warps = warps_for(query_kernel<T, kPlan>, query_smem);
+  query_kernel<T, kPlan><<<dev::grid_for(BH * nblk, warps), warps * 32, warps * query_smem, st>>>(
+      p, sort_len_for(p.k), query_smem);
   ops::cuda::check_launch("top_k_prefix (queries)");
 }
 
@@ -547,7 +636,13 @@ void top_k_prefix_cuda(const TopKPrefixParams& p, DType dtype, void* stream) {
   if (p.k < 1 || p.k >= p.L || p.k > kTopKMaxK)
     throw std::runtime_error("top_k_prefix_cuda: k = " + std::to_string(p.k) + " must be in [1, min(L - 1, " +
                              std::to_string(kTopKMaxK) + ")]");
-  HAX_DISPATCH_DTYPE(dtype, [&] { launch<scalar_t>(p, (cudaStream_t)stream); });
+  if (p.plan_count && p.k > kTopKPlanMaxK)
+    throw std::runtime_error("top_k_prefix_cuda: k = " + std::to_string(p.k) + " must be at most " +
+                             std::to_string(kTopKPlanMaxK) + " for the block form");
+  HAX_DISPATCH_DTYPE(dtype, [&] {
+    if (p.plan_count) launch<scalar_t, true>(p, (cudaStream_t)stream);
+    else launch<scalar_t, false>(p, (cudaStream_t)stream);
+  });
 }
 
 }  // namespace hax::patterns

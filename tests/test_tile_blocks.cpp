@@ -1,0 +1,195 @@
+// Sparse attention over query blocks (ops/attention/blocks.h): the conversions between lists and
+// blocks against each other and against plain loops, Key Selection's block form against its lists,
+// and sparse_attention_blocks against the dense reference on the same keys (float64 on the CPU;
+// on a CUDA device, float32 through the lists and bfloat16 on the tile kernels). On a GPU also: the
+// tile plan kernel and the query kernels' block form equal the CPU's blocks exactly.
+#include <climits>
+#include <string>
+#include <vector>
+
+#include "cuda_harness.h"
+#include "ops/attention/attention.h"
+#include "ops/attention/blocks.h"
+#include "ops/check.h"
+#include "patterns/pattern.h"
+
+using namespace hax::testing;
+namespace pat = hax::patterns;
+using hax::ops::TileBlocks;
+
+namespace {
+
+// Lists with some entries dropped (-1), then put back into the canonical form: ascending, -1 after.
+at::Tensor thinned(const at::Tensor& idx, double drop) {
+  at::Tensor x = idx.masked_fill(at::rand(idx.sizes()) < drop, -1);
+  x = at::where(x < 0, at::full({}, INT_MAX, at::kInt), x);
+  x = std::get<0>(x.sort(-1));
+  return at::where(x == INT_MAX, at::full({}, -1, at::kInt), x);
+}
+
+// Two block forms are equal: counts, keys, and the mask of every tile a block uses.
+void expect_blocks_equal(const TileBlocks& a, const TileBlocks& b) {
+  const at::Tensor ca = a.count.cpu(), cb = b.count.cpu();
+  ASSERT_TRUE(at::equal(ca, cb)) << "counts differ";
+  const at::Tensor fits = ca.ge(0);
+  EXPECT_TRUE(at::equal(a.keys.cpu().index({fits}), b.keys.cpu().index({fits}))) << "keys differ";
+  const at::Tensor ma = a.mask.cpu(), mb = b.mask.cpu();
+  const at::Tensor tiles = (ca + 63).div(64, "floor").unsqueeze(-1);  // tiles used per block
+  const at::Tensor used = at::arange(hax::ops::kAttentionTilesPerBlock, at::kInt).view({1, 1, 1, -1}) < tiles;
+  const at::Tensor sel = used.logical_and(fits.unsqueeze(-1));  // (B, H, nblk, 8)
+  EXPECT_TRUE(at::equal(ma.index({sel}), mb.index({sel}))) << "masks differ";
+  EXPECT_EQ(a.max_keys, b.max_keys);
+}
+
+}  // namespace
+
+TEST(TileBlocks, RoundTripsLists) {
+  torch::manual_seed(91);
+  for (int64_t L : {1, 63, 97, 1025})
+    for (int64_t K : {1, 7, 40}) {
+      SCOPED_TRACE("L " + std::to_string(L) + " K " + std::to_string(K));
+      const int64_t B = 2, H = 2;
+      const at::Tensor idx = thinned(pat::top_k_prefix(at::randn({B, L, H}), K, random_packing(B, L, 0.02)).idx, 0.2);
+      const TileBlocks bl = hax::ops::tile_blocks_from_lists(idx, L);
+      EXPECT_EQ(bl.count.min().item<int32_t>() >= 0, true);
+      EXPECT_TRUE(at::equal(hax::ops::tile_blocks_to_lists(bl, L), idx));
+    }
+}
+
+TEST(TileBlocks, OverflowingBlocksAreMarkedAndRefused) {
+  torch::manual_seed(92);
+  const int64_t B = 1, H = 1, L = 1025, K = 100;
+  at::Tensor idx = at::randint(0, L, {B, H, L, K}, at::kInt);  // ~100 · 64 distinct keys a block
+  const TileBlocks bl = hax::ops::tile_blocks_from_lists(idx, L);
+  EXPECT_EQ(bl.count.narrow(2, 0, 16).max().item<int32_t>(), -1);  // full blocks overflow, the last (1 query) fits
+  EXPECT_GE(bl.count[0][0][16].item<int32_t>(), 1);
+  expect_usage_error([&] { hax::ops::tile_blocks_to_lists(bl, L); }, "key count is -1");
+}
+
+TEST(TileBlocks, TopKPrefixBlocksEqualItsLists) {
+  torch::manual_seed(93);
+  for (int64_t L : {1, 63, 97, 1025})
+    for (int64_t k : {1, 5, 64, 448}) {
+      if (k >= L && L > 1) continue;
+      SCOPED_TRACE("L " + std::to_string(L) + " k " + std::to_string(k));
+      const at::Tensor scores = at::randn({2, L, 3}), seq = random_packing(2, L, 0.03);
+      const TileBlocks bl = pat::top_k_prefix_blocks(scores, k, seq);
+      EXPECT_EQ(bl.max_keys, k);
+      EXPECT_TRUE(at::equal(hax::ops::tile_blocks_to_lists(bl, L), pat::top_k_prefix(scores, k, seq).idx));
+    }
+  expect_usage_error([] { pat::top_k_prefix_blocks(at::randn({1, 1025, 1}), 449, {}); }, "must be at most 448");
+}
+
+TEST(TileBlocks, ChecksItsArguments) {
+  const at::Tensor q = at::randn({1, 97, 2, 8}, at::kDouble);
+  TileBlocks bl = hax::ops::tile_blocks_from_lists(pat::top_k_prefix(at::randn({1, 97, 2}), 4, {}).idx, 97);
+  TileBlocks wrong = bl;
+  wrong.count = bl.count.narrow(2, 0, 1);
+  expect_usage_error([&] { hax::ops::sparse_attention_blocks(q, q, q, wrong, {}, 1.0); }, "blocks.count");
+  wrong = bl;
+  wrong.mask = bl.mask.to(at::kInt);
+  expect_usage_error([&] { hax::ops::sparse_attention_blocks(q, q, q, wrong, {}, 1.0); }, "blocks.mask must be int64");
+  expect_usage_error([&] { hax::ops::sparse_attention_blocks(q, q, q, bl, {}, -1.0); }, "scale");
+}
+
+namespace {
+
+struct BlockCase {
+  int64_t B, L, H, D, Dv, K;
+  bool packed;
+};
+
+// sparse_attention_blocks over Key Selection's block form against the dense reference over its
+// lists, with a per-key bias; both outputs (out, lse) get cotangents.
+OpCase block_case(const BlockCase& s) {
+  OpCase c;
+  c.name = "blocks B" + std::to_string(s.B) + " L" + std::to_string(s.L) + " H" + std::to_string(s.H) + " D" +
+           std::to_string(s.D) + " Dv" + std::to_string(s.Dv) + " K" + std::to_string(s.K) + (s.packed ? " packed" : "");
+  const at::Tensor seq = s.packed ? random_packing(s.B, s.L, 0.02) : at::Tensor();
+  c.make_inputs = [=](at::ScalarType dt) {
+    auto o = at::TensorOptions().dtype(dt);
+    return Tensors{at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_(), at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_(),
+                   at::randn({s.B, s.L, s.H, s.Dv}, o).requires_grad_(), at::randn({s.B, s.L, s.H}, o),
+                   (at::randn({s.B, s.H, s.L}, o) * 0.5).requires_grad_()};
+  };
+  const double scale = 1.0 / std::sqrt((double)s.D);
+  auto seq_on = [seq](const at::Tensor& like) { return seq.defined() ? seq.to(like.device()) : seq; };
+  c.op = [=](const Tensors& in) {
+    const TileBlocks bl = pat::top_k_prefix_blocks(in[3].detach(), s.K, seq_on(in[3]));
+    auto [out, lse] = hax::ops::sparse_attention_blocks(in[0], in[1], in[2], bl, in[4], scale);
+    return Tensors{out, lse.to(out.scalar_type())};
+  };
+  c.reference = [=](const Tensors& in) {
+    const at::Tensor idx = pat::top_k_prefix(in[3].detach(), s.K, seq_on(in[3])).idx;
+    auto [out, lse] = hax::ops::sparse_attention_reference(in[0], in[1], in[2], idx, in[4], {}, scale);
+    return Tensors{out, lse};
+  };
+  return c;
+}
+
+const std::vector<BlockCase> kCases = {{1, 1, 1, 16, 16, 1, false},    {2, 63, 2, 64, 64, 8, true},
+                                       {1, 97, 3, 32, 16, 5, false},   {2, 1025, 2, 64, 64, 64, true},
+                                       {1, 1025, 2, 128, 64, 100, false}, {1, 4097, 2, 64, 64, 32, false}};
+
+}  // namespace
+
+TEST(TileBlocks, AttentionMatchesReferenceFloat64) {
+  torch::manual_seed(94);
+  for (const BlockCase& s : kCases) {
+    if (s.L > 1100) continue;  // the dense reference is L x L
+    const OpCase c = block_case(s);
+    SCOPED_TRACE(c.name);
+    expect_matches_reference(c, at::kDouble, 1e-10, 1e-9);
+  }
+}
+
+TEST(TileBlocksCuda, FromListsEqualsCpu) {
+  // The tile plan kernel against the plain loops, overflowing blocks included.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(95);
+  const at::Device cuda(at::kCUDA, 0);
+  for (int64_t L : {1, 63, 97, 1025, 65537})
+    for (int64_t K : {1, 9, 64, 100}) {
+      SCOPED_TRACE("L " + std::to_string(L) + " K " + std::to_string(K));
+      const int64_t B = L > 2000 ? 1 : 2, H = 2;
+      const at::Tensor idx = K == 100 ? at::randint(-1, L, {B, H, L, K}, at::kInt)
+                                      : thinned(pat::top_k_prefix(at::randn({B, L, H}), K, {}).idx, 0.1);
+      expect_blocks_equal(hax::ops::tile_blocks_from_lists(idx.to(cuda), L), hax::ops::tile_blocks_from_lists(idx, L));
+    }
+}
+
+TEST(TileBlocksCuda, TopKPrefixBlocksEqualCpu) {
+  // The query kernels' block form (k <= 32 in registers, larger in shared memory), with ties
+  // (scores rounded to a few values) and packed sequences, float32 and bfloat16 scores.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(96);
+  const at::Device cuda(at::kCUDA, 0);
+  for (int64_t L : {1, 63, 97, 1025, 65537})
+    for (int64_t k : {1, 5, 32, 33, 64, 200, 448})
+      for (bool packed : {false, true}) {
+        if (L == 65537 && (packed || (k != 32 && k != 64))) continue;
+        const int64_t B = L > 2000 ? 1 : 2, H = 3;
+        SCOPED_TRACE("L " + std::to_string(L) + " k " + std::to_string(k) + (packed ? " packed" : ""));
+        const at::Tensor seq = packed ? random_packing(B, L, 0.01) : at::Tensor();
+        for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+          const at::Tensor scores = (at::randn({B, L, H}) * 4).round().to(dt);  // many ties
+          const TileBlocks gpu = pat::top_k_prefix_blocks(scores.to(cuda), k, packed ? seq.to(cuda) : seq);
+          const TileBlocks cpu = hax::ops::tile_blocks_from_lists(pat::top_k_prefix(scores.to(at::kFloat), k, seq).idx, L);
+          expect_blocks_equal(gpu, cpu);
+        }
+      }
+}
+
+TEST(TileBlocksCuda, AttentionMatchesFloat32AndBf16) {
+  // float32 on the GPU goes through the lists (sparse_attention); bfloat16 runs the tile kernels.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(97);
+  hax::ops::set_check_device_values(true);
+  for (const BlockCase& s : kCases) {
+    const OpCase c = block_case(s);
+    SCOPED_TRACE(c.name);
+    if (s.L <= 1100) expect_cuda_matches_cpu(c, 5e-5, 1e-4);
+    expect_cuda_bf16_close(c, 5e-3);
+  }
+  hax::ops::set_check_device_values(false);
+}
