@@ -37,9 +37,10 @@
 // its three epilogues read them from shared memory in pairs of columns, where they were scalar
 // 2-byte global loads consumed at once (42% of the warp samples stalled on long_sb in an ncu
 // source profile, the top ones on those loads), and the intra product takes dy from its tile as
-// stored (mma_slab_kn) instead of staging it again. Static shared memory 48128 bytes a block (was
-// 29696; the static limit is 49152): 4 blocks an SM still fit, and ptxas spills less (12 bytes of
-// stores, was 52). The dx 1.50 ms above is from before this change.
+// stored (mma_slab_kn) instead of staging it again; dx goes out through the dy tile, 16 bytes a
+// store (the 2-byte stores of the accumulator layout used a quarter of each sector). Static shared
+// memory 48128 bytes a block (was 29696; the static limit is 49152): 4 blocks an SM still fit,
+// and ptxas spills less (4 bytes of stores, was 52). The dx 1.50 ms above is from before this.
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -74,7 +75,8 @@ __device__ __forceinline__ void for_each_entry(const __nv_bfloat16* tile, F&& f)
 // in global memory) come by cp.async at the start of each 64 columns, in flight during the Y
 // product, and the three epilogues read them from shared memory: read from global memory, one
 // 2-byte load per element consumed at once, they were the kernel's main stall (long scoreboard).
-// The intra product takes B(p, i) = dy_i[p] from the dy tile as is ([k][n], mma_slab_kn).
+// The intra product takes B(p, i) = dy_i[p] from the dy tile as is ([k][n], mma_slab_kn), and dx
+// goes out through the dy tile once it is done with, in 16-byte runs of its rows.
 // Grid: S * B * H blocks; block s + S (b H + h).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
@@ -225,15 +227,42 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
       mma_split_a(ax, sA, sL, sB, ks);
     }
     __syncthreads();
-    if constexpr (kTiles)
-      for_each_entry(tX, [&](int mi, int ni, int r, int j, int q, int rs, float xv) {
-        if (j < u.len && p0 + q < P) {
-          const float d = ax.v[mi][ni][r];
-          dx[j * ldx + p0 + q] = from_f32<T>(sv.dt[j] * d);
-          xpart[rs] += xv * d;
+    if constexpr (kTiles) {
+      // dx goes out through the dy tile (free after the barrier above): each pair of the thread's
+      // columns is rounded into it (one 32-bit store; entries out of range are not copied out),
+      // then whole 16-byte runs of its rows go to global memory. The thread's own 2-byte stores
+      // used a quarter of each 32-byte sector they wrote.
+      for_each_pair([&](int mi, int ni, int rp, int j, int q) {
+        const uint32_t xw = load_pair(tX + j * ld + q);
+        const float d0 = ax.v[mi][ni][2 * rp], d1 = ax.v[mi][ni][2 * rp + 1], dt = sv.dt[j];
+        if (j < u.len && p0 + q < P) {  // q + 1 too (P is a multiple of 8, q even)
+          xpart[mi * 2 + rp] += __uint_as_float(xw << 16) * d0;
+          xpart[mi * 2 + rp] += __uint_as_float(xw & 0xffff0000u) * d1;
         }
+        *reinterpret_cast<__nv_bfloat162*>(tDy + j * ld + q) = __floats2bfloat162_rn(dt * d0, dt * d1);
       });
-    else
+      __syncthreads();
+      using Copy = cuda::TileCopy<kT, kT, kThreads>;  // the copy's chunks: row(k), col()
+      const int c = Copy::col(), kp = (int)(P - p0 < kT ? P - p0 : kT);
+      const bool wide = reinterpret_cast<uintptr_t>(gp.dx) % 16 == 0;  // then every run is aligned (kVec)
+#pragma unroll
+      for (int k = 0; k < Copy::kPer; ++k) {
+        const int j = Copy::row(k);
+        if (j >= u.len || c >= kp) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(tDy + j * ld + c);
+        T* o = dx + j * ldx + p0 + c;
+        if (wide) {
+          *reinterpret_cast<uint4*>(o) = v;
+        } else {  // dx only 2-byte aligned
+          const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            o[2 * m] = __ushort_as_bfloat16((unsigned short)(wv[m] & 0xffffu));
+            o[2 * m + 1] = __ushort_as_bfloat16((unsigned short)(wv[m] >> 16));
+          }
+        }
+      }
+    } else {
       for_each([&](int mi, int ni, int r, int j, int q, int rs, int) {
         if (j < u.len && p0 + q < P) {
           const int64_t o = j * ldx + p0 + q;
@@ -242,6 +271,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
           xpart[rs] += to_f32(x[o]) * d;
         }
       });
+    }
     if (kTiles && p0 + kT < P) {  // the next columns' tiles, once every thread is done with these
       __syncthreads();
       copy_tiles(p0 + kT);
