@@ -32,6 +32,15 @@
 // faster there and are not used (BENCHMARKS.md, tenth pass): every raw tile copied by cp.async
 // up front (1.79 ms at 2 blocks an SM; branch exp/ssd-async), the stages double-buffered as in
 // dbdc (1.53; exp/ssd-dx-stages), and the epilogue in pairs of columns (1.60: more spills).
+// Since (not yet measured): dx_kernel (bfloat16, kVec) copies its dy and x tiles (the sub-chunk's
+// steps x 64 columns) by cp.async at the start of each 64 columns, in flight during the Y product;
+// its three epilogues read them from shared memory in pairs of columns, where they were scalar
+// 2-byte global loads consumed at once (42% of the warp samples stalled on long_sb in an ncu
+// source profile, the top ones on those loads), and the intra product takes dy from its tile as
+// stored (mma_slab_kn) instead of staging it again; dx goes out through the dy tile, 16 bytes a
+// store (the 2-byte stores of the accumulator layout used a quarter of each sector). Static shared
+// memory 48128 bytes a block (was 29696; the static limit is 49152): 4 blocks an SM still fit,
+// and ptxas spills less (4 bytes of stores, was 52). The dx 1.50 ms above is from before this.
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -44,24 +53,60 @@ __device__ __forceinline__ float* row_terms(const SsdParams& p, const SsdScratch
   return w.rows + ((int64_t)r * p.batch * p.nheads * p.nsubs() + bhs) * kT;
 }
 
+// for_each over the thread's elements (same order) with v, the entry (i, q) of a raw bfloat16
+// 64 x 64 tile in shared memory (rows Operand::kLd apart): f(mi, ni, r, i, q, rs, v). Each pair of
+// the thread's adjacent columns is one 32-bit load, free of bank conflicts (a warp's 8 rows x 4
+// pairs fall in 32 distinct banks with rows 36 words apart).
+template <class F>
+__device__ __forceinline__ void for_each_entry(const __nv_bfloat16* tile, F&& f) {
+  for_each_pair([&](int mi, int ni, int rp, int i, int q) {
+    const uint32_t w = load_pair(tile + i * Operand<__nv_bfloat16>::kLd + q);
+    f(mi, ni, 2 * rp, i, q, mi * 2 + rp, __uint_as_float(w << 16));                   // column q
+    f(mi, ni, 2 * rp + 1, i, q + 1, mi * 2 + rp, __uint_as_float(w & 0xffff0000u));  // q + 1
+  });
+}
+
 // dx, v, u, x.dXd and g <dS, S> of one (row, head, sub-chunk), 64 columns of P at a time:
 //   X(j, p) = w_j Σ_n B_j[n] dS[n][p]        (then v_j = Σ_p dt_j x_j[p] X(j, p))
 //   Y(i, p) = re_i Σ_n C_i[n] S[n][p]        (then u_i = Σ_p dy_i[p] Y(i, p))
 //   X(j, p) += Σ_i M_ij dy_i[p]              (X = dXd: dx = dt X, x.dXd = Σ_p x_j[p] X(j, p))
 // B, C, dy, and dS, S (stored in x's dtype) enter as is; M is split; w and re scale the accumulators.
+// bfloat16 with kVec (kTiles): the block's dy and x tiles (its steps x the 64 columns, [i][q] as
+// in global memory) come by cp.async at the start of each 64 columns, in flight during the Y
+// product, and the three epilogues read them from shared memory: read from global memory, one
+// 2-byte load per element consumed at once, they were the kernel's main stall (long scoreboard).
+// The intra product takes B(p, i) = dy_i[p] from the dy tile as is ([k][n], mma_slab_kn), and dx
+// goes out through the dy tile once it is done with, in 16-byte runs of its rows.
 // Grid: S * B * H blocks; block s + S (b H + h).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
+  constexpr bool kTiles = kVec && std::is_same_v<T, __nv_bfloat16>;
+  constexpr int ld = Operand<T>::kLd;  // of the tiles too: the epilogues' accesses are conflict-free
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sL[kLoSize<T>];
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
+  __shared__ __align__(16) S_t tDy[kTiles ? kSlabSize<T> : 1];  // kTiles: dy_i[p0 + q] at [i ld + q]
+  __shared__ __align__(16) S_t tX[kTiles ? kSlabSize<T> : 1];   // kTiles: x_i[p0 + q] likewise
   __shared__ StepVals sv;
   __shared__ float wj[kT], re[kT], scratch[2 * kT], red[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
   const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
   const Sub u = sub_of(p, b, s);
+  // kTiles: copies the tiles of columns p0.. (rows >= len and columns >= P zero-filled) as one
+  // commit group; waited for at the last barrier of the Y product, which publishes them.
+  auto copy_tiles = [&](int64_t p0) {
+    if constexpr (kTiles) {
+      using Copy = cuda::TileCopy<kT, kT, kThreads>;
+      const int64_t off = ((b * p.seqlen + u.t0) * H + h) * P + p0;
+      const int kp = (int)(P - p0 < kT ? P - p0 : kT);  // a multiple of 8 (kVec)
+      Copy::template rows<ld>(tDy, (const T*)gp.dy + off, H * P, 0, u.len, kp);
+      Copy::template rows<ld>(tX, (const T*)p.x + off, H * P, 0, u.len, kp);
+      cuda::cp_async_commit();
+    }
+  };
+  copy_tiles(0);
   load_steps<T>(p, w, b, h, s, u, sv);
   __syncthreads();
   if (threadIdx.x < kT) {
@@ -116,11 +161,21 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
             });
         __syncthreads();
         mma_slab(ay, sA, sB, kk);
+        if (kTiles && n0 + kSlab >= N) cuda::cp_async_wait<0>();  // the tiles, published by the barrier
         __syncthreads();
       }
-      for_each([&](int mi, int ni, int r, int i, int q, int rs, int) {
-        if (i < u.len && p0 + q < P) upart[rs] += to_f32(dy[i * ldx + p0 + q]) * re[i] * ay.v[mi][ni][r];
-      });
+      if (kTiles && N <= 0) {  // no Y product (no state): its barrier is missing
+        cuda::cp_async_wait<0>();
+        __syncthreads();
+      }
+      if constexpr (kTiles)
+        for_each_entry(tDy, [&](int mi, int ni, int r, int i, int q, int rs, float d) {
+          if (i < u.len && p0 + q < P) upart[rs] += d * re[i] * ay.v[mi][ni][r];
+        });
+      else
+        for_each([&](int mi, int ni, int r, int i, int q, int rs, int) {
+          if (i < u.len && p0 + q < P) upart[rs] += to_f32(dy[i * ldx + p0 + q]) * re[i] * ay.v[mi][ni][r];
+        });
     }
     ax.zero();
 #pragma unroll 1
@@ -136,10 +191,16 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
       mma_slab(ax, sA, sB, kk);
       __syncthreads();
     }
-    for_each([&](int mi, int ni, int r, int i, int q, int rs, int) {
-      ax.v[mi][ni][r] *= wj[i];
-      if (i < u.len && p0 + q < P) vpart[rs] += sv.dt[i] * to_f32(x[i * ldx + p0 + q]) * ax.v[mi][ni][r];
-    });
+    if constexpr (kTiles)
+      for_each_entry(tX, [&](int mi, int ni, int r, int i, int q, int rs, float xv) {
+        ax.v[mi][ni][r] *= wj[i];
+        if (i < u.len && p0 + q < P) vpart[rs] += sv.dt[i] * xv * ax.v[mi][ni][r];
+      });
+    else
+      for_each([&](int mi, int ni, int r, int i, int q, int rs, int) {
+        ax.v[mi][ni][r] *= wj[i];
+        if (i < u.len && p0 + q < P) vpart[rs] += sv.dt[i] * to_f32(x[i * ldx + p0 + q]) * ax.v[mi][ni][r];
+      });
     // Intra-sub-chunk part: A(j, i) = M_ij (cb is contiguous along j), B(p, i) = dy_i[p].
     stage_op<kVec, false, true>(
         sA, sL, ks,
@@ -154,20 +215,67 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
 #pragma unroll
           for (int e = 0; e < 8; ++e) v[e] = col && j + e <= i && si == sv.seq[j + e] ? v[e] * expf(ci - sv.cs[j + e]) : 0.f;
         });
-    stage_op<kVec, false, false>(
-        sB, sB, ks, [&](int q, int i) { return i < u.len && p0 + q < P ? to_f32(dy[i * ldx + p0 + q]) : 0.f; },
-        [&](int q, int i, float(&v)[8]) { load8(dy + i * ldx + p0 + q, i < u.len && p0 + q < P, v); });
+    if constexpr (!kTiles)
+      stage_op<kVec, false, false>(
+          sB, sB, ks, [&](int q, int i) { return i < u.len && p0 + q < P ? to_f32(dy[i * ldx + p0 + q]) : 0.f; },
+          [&](int q, int i, float(&v)[8]) { load8(dy + i * ldx + p0 + q, i < u.len && p0 + q < P, v); });
     __syncthreads();
-    mma_split_a(ax, sA, sL, sB, ks);
+    if constexpr (kTiles) {  // the dy tile is B as stored ([k][n]); hi then lo, as mma_split_a
+      mma_slab_kn(ax, sA, tDy, ks);
+      mma_slab_kn(ax, sL, tDy, ks);
+    } else {
+      mma_split_a(ax, sA, sL, sB, ks);
+    }
     __syncthreads();
-    for_each([&](int mi, int ni, int r, int j, int q, int rs, int) {
-      if (j < u.len && p0 + q < P) {
-        const int64_t o = j * ldx + p0 + q;
-        const float d = ax.v[mi][ni][r];
-        dx[o] = from_f32<T>(sv.dt[j] * d);
-        xpart[rs] += to_f32(x[o]) * d;
+    if constexpr (kTiles) {
+      // dx goes out through the dy tile (free after the barrier above): each pair of the thread's
+      // columns is rounded into it (one 32-bit store; entries out of range are not copied out),
+      // then whole 16-byte runs of its rows go to global memory. The thread's own 2-byte stores
+      // used a quarter of each 32-byte sector they wrote.
+      for_each_pair([&](int mi, int ni, int rp, int j, int q) {
+        const uint32_t xw = load_pair(tX + j * ld + q);
+        const float d0 = ax.v[mi][ni][2 * rp], d1 = ax.v[mi][ni][2 * rp + 1], dt = sv.dt[j];
+        if (j < u.len && p0 + q < P) {  // q + 1 too (P is a multiple of 8, q even)
+          xpart[mi * 2 + rp] += __uint_as_float(xw << 16) * d0;
+          xpart[mi * 2 + rp] += __uint_as_float(xw & 0xffff0000u) * d1;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(tDy + j * ld + q) = __floats2bfloat162_rn(dt * d0, dt * d1);
+      });
+      __syncthreads();
+      using Copy = cuda::TileCopy<kT, kT, kThreads>;  // the copy's chunks: row(k), col()
+      const int c = Copy::col(), kp = (int)(P - p0 < kT ? P - p0 : kT);
+      const bool wide = reinterpret_cast<uintptr_t>(gp.dx) % 16 == 0;  // then every run is aligned (kVec)
+#pragma unroll
+      for (int k = 0; k < Copy::kPer; ++k) {
+        const int j = Copy::row(k);
+        if (j >= u.len || c >= kp) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(tDy + j * ld + c);
+        T* o = dx + j * ldx + p0 + c;
+        if (wide) {
+          *reinterpret_cast<uint4*>(o) = v;
+        } else {  // dx only 2-byte aligned
+          const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            o[2 * m] = __ushort_as_bfloat16((unsigned short)(wv[m] & 0xffffu));
+            o[2 * m + 1] = __ushort_as_bfloat16((unsigned short)(wv[m] >> 16));
+          }
+        }
       }
-    });
+    } else {
+      for_each([&](int mi, int ni, int r, int j, int q, int rs, int) {
+        if (j < u.len && p0 + q < P) {
+          const int64_t o = j * ldx + p0 + q;
+          const float d = ax.v[mi][ni][r];
+          dx[o] = from_f32<T>(sv.dt[j] * d);
+          xpart[rs] += to_f32(x[o]) * d;
+        }
+      });
+    }
+    if (kTiles && p0 + kT < P) {  // the next columns' tiles, once every thread is done with these
+      __syncthreads();
+      copy_tiles(p0 + kT);
+    }
   }
   const int64_t bhs = bh * S + s;
   row_sums(vpart, scratch, red);
