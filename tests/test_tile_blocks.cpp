@@ -1,5 +1,7 @@
 // Sparse attention over query blocks (ops/attention/blocks.h): the conversions between lists and
-// blocks against each other and against plain loops, Key Selection's block form against its lists,
+// blocks against each other and against plain loops, Key Selection's block form against its lists
+// (also less an LSH band's keys, and HAX as the band joined with those blocks against the dense
+// reference on the merged lists),
 // and sparse_attention_blocks against the dense reference on the same keys (float64 on the CPU;
 // on a CUDA device, float32 through the lists and bfloat16 on the tile kernels). On a GPU also: the
 // tile plan kernel and the query kernels' block form equal the CPU's blocks exactly.
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "cuda_harness.h"
+#include "layers/lsh_attention.h"
 #include "ops/attention/attention.h"
 #include "ops/attention/blocks.h"
 #include "ops/check.h"
@@ -192,4 +195,120 @@ TEST(TileBlocksCuda, AttentionMatchesFloat32AndBf16) {
     expect_cuda_bf16_close(c, 5e-3);
   }
   hax::ops::set_check_device_values(false);
+}
+
+namespace {
+
+// HAX in its split form: LSH's band attention and Key Selection's blocks less the band's keys,
+// joined by their log-sum-exps, against the dense reference over merge(lsh, top_k_prefix) lists.
+OpCase hax_case(const BlockCase& s) {
+  OpCase c;
+  c.name = "hax split B" + std::to_string(s.B) + " L" + std::to_string(s.L) + " K" + std::to_string(s.K) +
+           (s.packed ? " packed" : "");
+  const at::Tensor seq = s.packed ? random_packing(s.B, s.L, 0.02) : at::Tensor();
+  const at::Tensor hq = at::randn({s.B, s.L, s.H, 16}, at::kDouble), hk = at::randn({s.B, s.L, s.H, 16}, at::kDouble);
+  const at::Tensor proj = pat::lsh_projection(16, 3, 5), scores = at::randn({s.B, s.L, s.H});
+  const pat::LshBand band = pat::lsh_band(hq, hk, s.K, proj, pat::Binning::kSign, seq);
+  const at::Tensor merged =
+      pat::merge(pat::lsh(hq, hk, s.K, proj, pat::Binning::kSign, seq), pat::top_k_prefix(scores, s.K, seq)).idx;
+  const double scale = 1.0 / std::sqrt((double)s.D);
+  c.make_inputs = [=](at::ScalarType dt) {
+    auto o = at::TensorOptions().dtype(dt);
+    return Tensors{at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_(), at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_(),
+                   at::randn({s.B, s.L, s.H, s.Dv}, o).requires_grad_()};
+  };
+  c.op = [=](const Tensors& in) {
+    const at::Device dev = in[0].device();
+    const pat::LshBand bd{band.q_order.to(dev), band.k_order.to(dev), band.band.to(dev)};
+    auto [o1, lse1] = hax::lsh_band_attention(in[0], in[1], in[2], bd, scale);
+    const TileBlocks bl = pat::top_k_prefix_blocks(scores.to(dev), s.K, seq.defined() ? seq.to(dev) : seq, &bd);
+    auto [o2, lse2] = hax::ops::sparse_attention_blocks(in[0], in[1], in[2], bl, {}, scale);
+    return Tensors{hax::ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2)};
+  };
+  c.reference = [=](const Tensors& in) {
+    return Tensors{std::get<0>(hax::ops::sparse_attention_reference(in[0], in[1], in[2], merged, {}, {}, scale))};
+  };
+  return c;
+}
+
+const std::vector<BlockCase> kHaxCases = {{1, 63, 2, 32, 32, 4, false}, {2, 97, 2, 64, 64, 8, true},
+                                          {1, 1025, 2, 64, 64, 32, false}, {2, 1025, 2, 64, 64, 64, true}};
+
+}  // namespace
+
+TEST(TileBlocks, TopKPrefixBlocksLessABandEqualExcludeBand) {
+  torch::manual_seed(98);
+  for (int64_t L : {63, 97, 1025})
+    for (int64_t k : {5, 32, 64}) {
+      if (k >= L) continue;
+      SCOPED_TRACE("L " + std::to_string(L) + " k " + std::to_string(k));
+      const int64_t B = 2, H = 2;
+      const at::Tensor seq = random_packing(B, L, 0.02), scores = at::randn({B, L, H});
+      const pat::LshBand band = pat::lsh_band(at::randn({B, L, H, 8}), at::randn({B, L, H, 8}), k,
+                                              pat::lsh_projection(8, 3, 1), pat::Binning::kSign, seq);
+      const TileBlocks bl = pat::top_k_prefix_blocks(scores, k, seq, &band);
+      EXPECT_TRUE(at::equal(hax::ops::tile_blocks_to_lists(bl, L),
+                            pat::exclude_band(pat::top_k_prefix(scores, k, seq), band).idx));
+    }
+}
+
+TEST(TileBlocks, HaxSplitMatchesReferenceFloat64) {
+  torch::manual_seed(99);
+  for (const BlockCase& s : kHaxCases) {
+    const OpCase c = hax_case(s);
+    SCOPED_TRACE(c.name);
+    expect_matches_reference(c, at::kDouble, 1e-10, 1e-9);
+  }
+}
+
+TEST(TileBlocksCuda, TopKPrefixBlocksLessABandEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(100);
+  const at::Device cuda(at::kCUDA, 0);
+  for (int64_t L : {63, 97, 1025, 65537})
+    for (int64_t k : {5, 32, 64, 100})
+      for (bool packed : {false, true}) {
+        if (k >= L || (L == 65537 && (packed || k == 5))) continue;
+        SCOPED_TRACE("L " + std::to_string(L) + " k " + std::to_string(k) + (packed ? " packed" : ""));
+        const int64_t B = L > 2000 ? 1 : 2, H = 2;
+        const at::Tensor seq = packed ? random_packing(B, L, 0.01) : at::Tensor(), scores = at::randn({B, L, H});
+        const at::Tensor hq = at::randn({B, L, H, 8}), hk = at::randn({B, L, H, 8}), proj = pat::lsh_projection(8, 4, 2);
+        const pat::LshBand band = pat::lsh_band(hq, hk, k, proj, pat::Binning::kSign, seq);
+        const pat::LshBand gband{band.q_order.to(cuda), band.k_order.to(cuda), band.band.to(cuda)};
+        const TileBlocks gpu = pat::top_k_prefix_blocks(scores.to(cuda), k, packed ? seq.to(cuda) : seq, &gband);
+        const TileBlocks cpu = pat::top_k_prefix_blocks(scores, k, seq, &band);
+        expect_blocks_equal(gpu, cpu);
+      }
+}
+
+TEST(TileBlocksCuda, HaxSplitMatchesFloat32AndBf16) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(101);
+  for (const BlockCase& s : kHaxCases) {
+    const OpCase c = hax_case(s);
+    SCOPED_TRACE(c.name);
+    expect_cuda_matches_cpu(c, 5e-5, 1e-4);
+    expect_cuda_bf16_close(c, 5e-3);
+  }
+}
+
+TEST(TileBlocksCuda, SmallInstances) {
+  // Small sizes of every kernel path above (register lists for k <= 32 and <= 64, shared memory
+  // above; a band left out or not; the tile kernels on the blocks), for the sanitizers.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(102);
+  const at::Device cuda(at::kCUDA, 0);
+  for (int64_t k : {5, 33, 100}) {
+    const int64_t B = 1, H = 2, L = 193;
+    SCOPED_TRACE("k " + std::to_string(k));
+    const at::Tensor seq = random_packing(B, L, 0.02), scores = at::randn({B, L, H});
+    const pat::LshBand band = pat::lsh_band(at::randn({B, L, H, 8}), at::randn({B, L, H, 8}), k,
+                                            pat::lsh_projection(8, 3, 3), pat::Binning::kSign, seq);
+    const pat::LshBand gband{band.q_order.to(cuda), band.k_order.to(cuda), band.band.to(cuda)};
+    expect_blocks_equal(pat::top_k_prefix_blocks(scores.to(cuda), k, seq.to(cuda)), pat::top_k_prefix_blocks(scores, k, seq));
+    expect_blocks_equal(pat::top_k_prefix_blocks(scores.to(cuda), k, seq.to(cuda), &gband),
+                        pat::top_k_prefix_blocks(scores, k, seq, &band));
+  }
+  const OpCase c = block_case({1, 97, 2, 64, 64, 8, true});
+  expect_cuda_bf16_close(c, 5e-3);
 }

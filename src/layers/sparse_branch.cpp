@@ -94,9 +94,13 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
 namespace {
 
 // Whether the GPU runs LSH as a band (layers/lsh_attention.h) for a pattern of `parts` parts:
-// HAX_LSH_BAND unset: LSH alone only (LSH with Key Selection, HAX, measured faster through the
-// merged lists: 6.1 against 7.3 ms fwd+bwd at 64K on the H100, BENCHMARKS.md, eleventh pass);
-// 1: always; 0: never (LSH through its lists, for comparisons).
+// HAX_LSH_BAND unset: LSH alone only. HAX (LSH with Key Selection) measured faster through the
+// merged lists on the H100 at 64K, k = 64, fwd+bwd: 5.98 ms, against 6.30 for the band beside Key
+// Selection's blocks less the band's keys (BENCHMARKS.md, twelfth pass: the band's row permutes,
+// the join and the summed gradients of two attentions cost more than the plan and the merge),
+// and 7.3 against 6.1 with Key Selection's lists beside the band (eleventh pass).
+// 1: always (HAX then takes Key Selection's blocks where the tile kernels run, else its lists);
+// 0: never (LSH through its lists, for comparisons).
 bool lsh_as_band(size_t parts) {
   static const int mode = [] {
     const char* e = std::getenv("HAX_LSH_BAND");
@@ -153,10 +157,26 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
   // their lists then drop the keys LSH gives each query (so the two key sets are disjoint) and run
   // in position order, and the two attentions are joined by their log-sum-exps.
   const bool has_lsh = std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end();
+  const bool has_ks = std::find(parts_.begin(), parts_.end(), "ks") != parts_.end();
+  const bool ks_blocks = has_ks && keys_per_part_ <= patterns::kTopKBlocksMaxK && keys_per_part_ < L &&
+                         ops::sparse_attention_blocks_native(q, vh);
   if (has_lsh && vh.is_cuda() && !(ctx && ctx->record) && lsh_as_band(parts_.size())) {
     const patterns::LshBand band = lsh_band(q, k, seq_idx, ctx);
     auto [o1, lse1] = lsh_band_attention(q, k, vh, band, 1.0);
     if (parts_.size() == 1) return o1;
+    if (parts_.size() == 2 && ks_blocks) {  // HAX: Key Selection's blocks less the band's keys
+      ops::TileBlocks blocks;
+      {
+        RECORD_USER_SCOPE("hax::ks_scores_and_blocks");
+        scores = scorer->forward(k, q, seq_idx);  // (B, L, H)
+        torch::NoGradGuard ng;
+        blocks = patterns::top_k_prefix_blocks(scores.detach(), keys_per_part_, seq_idx, &band);
+      }
+      if (scores_out) *scores_out = scores;
+      RECORD_USER_SCOPE("hax::sparse_attention");
+      auto [o2, lse2] = ops::sparse_attention_blocks(q, k, vh, blocks, {}, 1.0);
+      return ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2);
+    }
     const std::vector<patterns::KeyLists> rest = part_lists(q, k, seq_idx, ctx, &scores, /*skip_lsh=*/true);
     if (scores_out) *scores_out = scores;
     const patterns::KeyLists others = patterns::exclude_band(merge_parts(rest), band);

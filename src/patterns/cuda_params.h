@@ -173,6 +173,11 @@ struct TopKPrefixParams {
   int32_t* plan_count = nullptr;     // out (B, H, top_k_blocks(L)) keys in each block's union
   int32_t* plan_keys = nullptr;      // out (B, H, top_k_blocks(L), 512) the union ascending, -1 padded
   uint64_t* plan_mask = nullptr;     // out (B, H, top_k_blocks(L), 8, 64) a bit per (query, union key)
+  // Block form only, optional: keys to leave out (an LSH band's, patterns::LshBand): query i does
+  // not see key j when ex_lo[i] <= ex_rank[j] <= ex_hi[i] (all (B, H, L) int32, by position).
+  const int32_t* ex_lo = nullptr;
+  const int32_t* ex_hi = nullptr;
+  const int32_t* ex_rank = nullptr;
 };
 // The largest k of the block form.
 constexpr int64_t kTopKPlanMaxK = 512 - kTopKBlock;

@@ -218,7 +218,8 @@ at::Tensor top_k_prefix_device(const at::Tensor& scores0, int64_t k, const at::T
   return idx;
 }
 
-ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
+ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq,
+                                           const LshBand* exclude) {
   const at::Tensor scores = scores0.detach().contiguous();
   const at::Device dev = scores.device();
   const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2), nblk = top_k_blocks(L);
@@ -235,6 +236,15 @@ ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores0, int64_t k,
   p.B = B, p.L = L, p.H = H, p.k = k;
   p.plan_count = bl.count.data_ptr<int32_t>(), p.plan_keys = bl.keys.data_ptr<int32_t>();
   p.plan_mask = reinterpret_cast<uint64_t*>(bl.mask.data_ptr<int64_t>());
+  at::Tensor ex_lo, ex_hi, ex_rank;  // by position: each query's band, each key's sorted rank
+  if (exclude) {
+    const at::Tensor qo = exclude->q_order.to(at::kLong), ko = exclude->k_order.to(at::kLong);
+    const at::Tensor ranks = at::arange(L, int32_on(dev)).view({1, 1, L}).expand({B, H, L}).contiguous();
+    ex_rank = at::empty({B, H, L}, int32_on(dev)).scatter_(2, ko, ranks);
+    ex_lo = at::empty({B, H, L}, int32_on(dev)).scatter_(2, qo, exclude->band[0].contiguous());
+    ex_hi = at::empty({B, H, L}, int32_on(dev)).scatter_(2, qo, exclude->band[1].contiguous());
+    p.ex_lo = ex_lo.data_ptr<int32_t>(), p.ex_hi = ex_hi.data_ptr<int32_t>(), p.ex_rank = ex_rank.data_ptr<int32_t>();
+  }
   run_top_k_prefix(p, scores, seq);
   return bl;
 }
@@ -354,7 +364,9 @@ LshBand lsh_band_device(const at::Tensor&, const at::Tensor&, int64_t, const at:
 }
 at::Tensor exclude_band_device(const at::Tensor&, const LshBand&) { no_kernels(); }
 at::Tensor top_k_prefix_device(const at::Tensor&, int64_t, const at::Tensor&) { no_kernels(); }
-ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor&, int64_t, const at::Tensor&) { no_kernels(); }
+ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor&, int64_t, const at::Tensor&, const LshBand*) {
+  no_kernels();
+}
 at::Tensor merge_device(const at::Tensor&, const at::Tensor&) { no_kernels(); }
 ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, const at::Device&) { no_kernels(); }
 at::Tensor top_k_chunks_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {

@@ -47,7 +47,9 @@ at::Tensor top_k_prefix_device(const at::Tensor& scores, int64_t k, const at::Te
 
 // top_k_prefix_blocks of scores (B, L, H) (float32 or bfloat16), k < L and k <= kTopKPlanMaxK: the
 // block form on its device.
-ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores, int64_t k, const at::Tensor& seq);
+// With `exclude`, each query's keys in that LSH band are left out (exclude_band's lists).
+ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores, int64_t k, const at::Tensor& seq,
+                                           const LshBand* exclude);
 
 // merge's lists: the union of a (B, H, L, Ka) and b (B, H, L, Kb) int32, on a's device.
 at::Tensor merge_device(const at::Tensor& a, const at::Tensor& b);

@@ -90,9 +90,12 @@ KeyLists top_k_prefix(const at::Tensor& scores, int64_t k, const at::Tensor& seq
 // (no lists): the keys of a block of 64 queries are its prefix's top k and its own positions, so
 // its union fits when k <= kTopKBlocksMaxK = 448 (checked; also 1 <= k). CUDA scores: built by the
 // query kernels directly; CPU: tile_blocks_from_lists of top_k_prefix's lists (the definition).
-// max_keys = k.
+// max_keys = k. With `exclude` (an LSH band of the same B, H, L on scores' device), each query's
+// keys that the band gives it are left out, as exclude_band does to lists: HAX's Key Selection part
+// beside the band, the two joined by their log-sum-exps.
 constexpr int64_t kTopKBlocksMaxK = ops::kAttentionTileMaxKeys - ops::kAttentionTileQueries;
-ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
+ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx,
+                                    const LshBand* exclude = nullptr);
 
 // The union of two patterns' lists for each query (duplicates removed, ascending), K = Ka + Kb
 // slots. q_order is a's if defined, else b's.

@@ -83,7 +83,8 @@ namespace hax::patterns {
 
 static_assert(kTopKBlocksMaxK == kTopKPlanMaxK, "the public and the kernels' limits of the block form");
 
-ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx) {
+ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx,
+                                    const LshBand* exclude) {
   constexpr const char* kOp = "top_k_prefix_blocks";
   ops::check_rank(kOp, "scores", scores, 3, "(B, L, H)");
   ops::check_floating(kOp, "scores", scores);
@@ -92,13 +93,20 @@ ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const a
             "{}: k = {} must be at most {} (a block's keys, its prefix's top k and its own 64 positions, must fit the "
             "512 of a block); use top_k_prefix's lists",
             kOp, k, kTopKPlanMaxK);
-  const int64_t B = scores.size(0), L = scores.size(1);
-  detail::check_sizes(kOp, B, scores.size(2), L);
+  const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2);
+  detail::check_sizes(kOp, B, H, L);
+  if (exclude) {
+    ops::check_shape(kOp, "exclude.band", exclude->band, {4, B, H, L}, "(4, B, H, L)");
+    HAX_CHECK(exclude->band.device() == scores.device(), "{}: exclude.band is on {} but scores are on {}", kOp,
+              exclude->band.device().str(), scores.device().str());
+  }
   if (scores.is_cuda() && k < L) {
     const at::Tensor seq = ops::check_seq_idx(kOp, detail::on(seq_idx, scores.device()), B, L);
-    return detail::top_k_prefix_blocks_device(scores, k, seq);
+    return detail::top_k_prefix_blocks_device(scores, k, seq, exclude);
   }
-  return ops::tile_blocks_from_lists(top_k_prefix(scores, k, seq_idx).idx, L);
+  KeyLists lists = top_k_prefix(scores, k, seq_idx);
+  if (exclude) lists = exclude_band(lists, *exclude);
+  return ops::tile_blocks_from_lists(lists.idx, L);
 }
 
 }  // namespace hax::patterns

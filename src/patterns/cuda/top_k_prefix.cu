@@ -23,14 +23,18 @@
 //                        least key (a warp min); a sequence start clears the selection. The list is
 //                        the selected candidates in U order (= ascending positions), compacted by
 //                        ballots; -1 after.
-// The scans merge in shared memory (three k-lists per warp).
+// The scans merge in shared memory (three k-lists per warp); for k <= 64 the scans and the query
+// kernel keep their lists in registers instead (one or two per lane: the *_small kernels).
 // Block form (TopKPrefixParams::plan_count set; ops/attention/blocks.h): the query kernels keep
 // each query's selection as a ballot word per 32 candidates instead of writing its list, and
 // emit_block then writes the block's plan directly: the union is the candidates some query
 // selects (in U order, so ascending), each query's bits those of its selection. This is exactly
 // the plan the tile plan kernel would build from the lists, without the lists or a hash set.
+// With ex_rank set, a query's selection drops the keys of its LSH band (HAX's Key Selection part
+// beside the band) before its words are kept: exclude_band's lists, in the block form.
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "ops/attention/params.h"
 #include "patterns/cuda/list_utils.cuh"
@@ -215,27 +219,52 @@ __global__ void block_prefix_kernel(TopKPrefixParams p, int64_t smem_per_warp) {
   }
 }
 
-// The scans for k <= 32: a list is one register per lane (lane t: entry t, 0 from k on).
-// merge_top32: the top k of lists a and b (disjoint positions): a and the reversed b give a bitonic
-// sequence whose lane-wise maxima are the top 32 of the union, sorted descending by a bitonic
-// merge (five exchange steps); the entries from k on are cleared.
-__device__ __forceinline__ uint64_t merge_top32(uint64_t a, uint64_t b, int k, int lane) {
-  uint64_t v = __shfl_sync(dev::kFullMask, b, 31 - lane);
-  v = a > v ? a : v;
-  for (int j = 16; j > 0; j >>= 1) {
-    const uint64_t o = __shfl_xor_sync(dev::kFullMask, v, j);
-    v = (lane & j) == 0 ? (v > o ? v : o) : (v < o ? v : o);
+// The scans for k <= 32 R (R = 1, 2): a list is R registers per lane (lane t, register r: entry
+// 32 r + t, 0 from k on).
+// merge_top_regs: the top k of lists a and b (disjoint positions): a and the reversed b give a
+// bitonic sequence whose entry-wise maxima are the top 32 R of the union, sorted descending by a
+// bitonic merge (R = 2: one exchange between the registers, then five shuffle steps in each); the
+// entries from k on are cleared.
+template <int R>
+__device__ __forceinline__ void merge_top_regs(uint64_t (&a)[R], const uint64_t (&b)[R], int k, int lane) {
+  uint64_t v[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {  // entry 32 r + lane meets b's entry 32 R - 1 - (32 r + lane)
+    const uint64_t o = __shfl_sync(dev::kFullMask, b[R - 1 - r], 31 - lane);
+    v[r] = a[r] > o ? a[r] : o;
   }
-  return lane < k ? v : 0;
+  if constexpr (R == 2) {
+    const uint64_t hi = v[0] > v[1] ? v[0] : v[1], lo = v[0] > v[1] ? v[1] : v[0];
+    v[0] = hi, v[1] = lo;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    for (int j = 16; j > 0; j >>= 1) {
+      const uint64_t o = __shfl_xor_sync(dev::kFullMask, v[r], j);
+      v[r] = (lane & j) == 0 ? (v[r] > o ? v[r] : o) : (v[r] < o ? v[r] : o);
+    }
+    a[r] = 32 * r + lane < k ? v[r] : 0;
+  }
 }
-__device__ __forceinline__ uint64_t load_list32(const uint64_t* list, int k, int lane) {
-  return lane < k ? list[lane] : 0;
+template <int R>
+__device__ __forceinline__ void load_list_regs(uint64_t (&v)[R], const uint64_t* list, int k, int lane) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) v[r] = 32 * r + lane < k ? list[32 * r + lane] : 0;
 }
-__device__ __forceinline__ void store_list32(uint64_t* list, uint64_t v, int k, int lane) {
-  if (lane < k) list[lane] = v;
+template <int R>
+__device__ __forceinline__ void store_list_regs(uint64_t* list, const uint64_t (&v)[R], int k, int lane) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (32 * r + lane < k) list[32 * r + lane] = v[r];
+}
+template <int R>
+__device__ __forceinline__ void copy_regs(uint64_t (&dst)[R], const uint64_t (&src)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) dst[r] = src[r];
 }
 
 // As super_fold_kernel, a warp per (b, h, super block); the next list loads during a merge.
+template <int R>
 __global__ void super_fold_small_kernel(TopKPrefixParams p) {
   const int lane = threadIdx.x % 32, k = (int)p.k;
   const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
@@ -243,20 +272,23 @@ __global__ void super_fold_small_kernel(TopKPrefixParams p) {
     const int64_t sb = w % nsup, bh = w / nsup, b = bh / p.H;
     const int64_t b0 = sb * kTopKSuper, b1 = b0 + kTopKSuper < nblk ? b0 + kTopKSuper : nblk;
     const uint64_t* tops = p.block_top + bh * nblk * p.k;
-    uint64_t acc = load_list32(tops + b0 * p.k, k, lane);
-    uint64_t next = b0 + 1 < b1 ? load_list32(tops + (b0 + 1) * p.k, k, lane) : 0;
+    uint64_t acc[R], next[R] = {}, in[R];
+    load_list_regs<R>(acc, tops + b0 * p.k, k, lane);
+    if (b0 + 1 < b1) load_list_regs<R>(next, tops + (b0 + 1) * p.k, k, lane);
     bool next_resets = b0 + 1 < b1 && block_resets(p, b, b0 + 1);
     for (int64_t blk = b0 + 1; blk < b1; ++blk) {
-      const uint64_t in = next;
+      copy_regs<R>(in, next);
       const bool resets = next_resets;
-      if (blk + 1 < b1) next = load_list32(tops + (blk + 1) * p.k, k, lane), next_resets = block_resets(p, b, blk + 1);
-      acc = resets ? in : merge_top32(acc, in, k, lane);
+      if (blk + 1 < b1) load_list_regs<R>(next, tops + (blk + 1) * p.k, k, lane), next_resets = block_resets(p, b, blk + 1);
+      if (resets) copy_regs<R>(acc, in);
+      else merge_top_regs<R>(acc, in, k, lane);
     }
-    store_list32(p.super_top + w * p.k, acc, k, lane);
+    store_list_regs<R>(p.super_top + w * p.k, acc, k, lane);
   }
 }
 
 // As super_prefix_kernel, a warp per (b, h).
+template <int R>
 __global__ void super_prefix_small_kernel(TopKPrefixParams p) {
   const int lane = threadIdx.x % 32, k = (int)p.k;
   const int64_t nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
@@ -264,21 +296,23 @@ __global__ void super_prefix_small_kernel(TopKPrefixParams p) {
     const int64_t b = bh / p.H;
     uint64_t* prefix = p.super_prefix + bh * nsup * p.k;
     const uint64_t* tops = p.super_top + bh * nsup * p.k;
-    uint64_t acc = 0;  // nothing before the row
-    store_list32(prefix, acc, k, lane);
-    uint64_t next = nsup > 1 ? load_list32(tops, k, lane) : 0;
+    uint64_t acc[R] = {}, next[R] = {}, in[R];  // nothing before the row
+    store_list_regs<R>(prefix, acc, k, lane);
+    if (nsup > 1) load_list_regs<R>(next, tops, k, lane);
     bool next_resets = nsup > 1 && super_resets(p, b, 0);
     for (int64_t sb = 1; sb < nsup; ++sb) {
-      const uint64_t in = next;
+      copy_regs<R>(in, next);
       const bool resets = next_resets;
-      if (sb + 1 < nsup) next = load_list32(tops + sb * p.k, k, lane), next_resets = super_resets(p, b, sb);
-      acc = resets ? in : merge_top32(acc, in, k, lane);
-      store_list32(prefix + sb * p.k, acc, k, lane);
+      if (sb + 1 < nsup) load_list_regs<R>(next, tops + sb * p.k, k, lane), next_resets = super_resets(p, b, sb);
+      if (resets) copy_regs<R>(acc, in);
+      else merge_top_regs<R>(acc, in, k, lane);
+      store_list_regs<R>(prefix + sb * p.k, acc, k, lane);
     }
   }
 }
 
 // As block_prefix_kernel, a warp per (b, h, super block).
+template <int R>
 __global__ void block_prefix_small_kernel(TopKPrefixParams p) {
   const int lane = threadIdx.x % 32, k = (int)p.k;
   const int64_t nblk = top_k_blocks(p.L), nsup = top_k_supers(p.L), warps = (int64_t)gridDim.x * blockDim.x / 32;
@@ -287,16 +321,18 @@ __global__ void block_prefix_small_kernel(TopKPrefixParams p) {
     const int64_t b0 = sb * kTopKSuper, b1 = b0 + kTopKSuper < nblk ? b0 + kTopKSuper : nblk;
     const uint64_t* tops = p.block_top + bh * nblk * p.k;
     uint64_t* prefix = p.block_prefix + bh * nblk * p.k;
-    uint64_t acc = load_list32(p.super_prefix + w * p.k, k, lane);
-    store_list32(prefix + b0 * p.k, acc, k, lane);
-    uint64_t next = b0 + 1 < b1 ? load_list32(tops + b0 * p.k, k, lane) : 0;
+    uint64_t acc[R], next[R] = {}, in[R];
+    load_list_regs<R>(acc, p.super_prefix + w * p.k, k, lane);
+    store_list_regs<R>(prefix + b0 * p.k, acc, k, lane);
+    if (b0 + 1 < b1) load_list_regs<R>(next, tops + b0 * p.k, k, lane);
     bool next_resets = b0 + 1 < b1 && block_resets(p, b, b0);
     for (int64_t blk = b0 + 1; blk < b1; ++blk) {
-      const uint64_t in = next;
+      copy_regs<R>(in, next);
       const bool resets = next_resets;
-      if (blk + 1 < b1) next = load_list32(tops + blk * p.k, k, lane), next_resets = block_resets(p, b, blk);
-      acc = resets ? in : merge_top32(acc, in, k, lane);
-      store_list32(prefix + blk * p.k, acc, k, lane);
+      if (blk + 1 < b1) load_list_regs<R>(next, tops + blk * p.k, k, lane), next_resets = block_resets(p, b, blk);
+      if (resets) copy_regs<R>(acc, in);
+      else merge_top_regs<R>(acc, in, k, lane);
+      store_list_regs<R>(prefix + blk * p.k, acc, k, lane);
     }
   }
 }
@@ -439,9 +475,15 @@ __global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_
         __syncwarp();
       }
       if constexpr (kPlan) {  // the selection's words (the entries past ui are not selected yet)
+        const int32_t lo = p.ex_rank ? p.ex_lo[bh * p.L + i] : 1, hi = p.ex_rank ? p.ex_hi[bh * p.L + i] : 0;
         for (int64_t c = 0; c < ws; ++c) {
           const int64_t u = 32 * c + lane;
-          const unsigned m = __ballot_sync(dev::kFullMask, u <= ui && sh.sel[u]);
+          bool on = u <= ui && sh.sel[u];
+          if (on && lo <= hi) {  // left out: the key is in the query's band
+            const int32_t r = p.ex_rank[bh * p.L + sh.pos[u]];
+            on = r < lo || r > hi;
+          }
+          const unsigned m = __ballot_sync(dev::kFullMask, on);
           if (lane == 0) sh.selm[(i - t0) * ws + c] = m;
         }
         __syncwarp();
@@ -465,17 +507,32 @@ __global__ void query_kernel(TopKPrefixParams p, int64_t sort_len, int64_t smem_
   }
 }
 
-// query_kernel for k <= 32 (kQueryWarps warps per block): the selection lives in registers. Lane t
-// holds the t-th best selected key and its U index (key 0: none), kept sorted as query i inserts
-// its key (a ballot counts the better ones, the worse shift up a lane, the k-th falls out); each
-// lane holds the U entries lane, lane + 32, lane + 64 (position, key, selected flag). The lists are
-// the same as the general kernel's: the selection after query i is the top k of its eligible keys.
+// query_kernel for k <= 32 R, R = 1 or 2 (kQueryWarps warps per block): the selection lives in
+// registers. Entry e = 32 r + lane (register r) holds the e-th best selected key and its U index
+// (key 0: none), kept sorted as query i inserts its key (ballots count the better ones, the worse
+// shift up an entry, the k-th falls out); each lane holds the U entries lane + 32 c, c < R + 2
+// (position, key, selected flag). The lists are the same as the general kernel's: the selection
+// after query i is the top k of its eligible keys.
 constexpr int kQueryWarps = 4;
-constexpr int kSmallChunks = 3;  // U chunks of 32: k + 64 <= 96 entries
-template <class T, bool kPlan>
+template <int R>
+__device__ __forceinline__ uint64_t pick(const uint64_t (&v)[R], int r) {  // v[r], r warp-uniform
+  uint64_t x = v[0];
+#pragma unroll
+  for (int t = 1; t < R; ++t) x = r == t ? v[t] : x;
+  return x;
+}
+template <int R>
+__device__ __forceinline__ int pick(const int (&v)[R], int r) {
+  int x = v[0];
+#pragma unroll
+  for (int t = 1; t < R; ++t) x = r == t ? v[t] : x;
+  return x;
+}
+template <class T, bool kPlan, int R>
 __global__ void query_small_kernel(TopKPrefixParams p) {
-  __shared__ int32_t upos_s[kQueryWarps][kSmallChunks * 32];
-  __shared__ uint32_t selm_s[kPlan ? kQueryWarps : 1][kTopKBlock * kSmallChunks];  // block form: (64, 3) words
+  constexpr int C = R + 2;  // U chunks of 32: k + 64 <= 32 (R + 2) entries
+  __shared__ int32_t upos_s[kQueryWarps][C * 32];
+  __shared__ uint32_t selm_s[kPlan ? kQueryWarps : 1][kTopKBlock * C];  // block form: (64, C) words
   const int lane = threadIdx.x % 32, K = (int)p.k;
   const unsigned lanes_below = (1u << lane) - 1;
   int32_t* upos = upos_s[threadIdx.x / 32];
@@ -488,33 +545,55 @@ __global__ void query_small_kernel(TopKPrefixParams p) {
     const int n_own = (int)(t1 - t0);
     // The sorted selection starts as the prefix list (descending keys, 0 padded) when the block's
     // first query continues a sequence; its U index is the rank of its position among the prefix's.
-    uint64_t skey = 0;
-    int su = 0, nP = 0;
+    uint64_t skey[R] = {};
+    int su[R] = {}, nP = 0;
     if (start[t0] < t0) {
-      skey = lane < K ? p.block_prefix[w * p.k + lane] : 0;
-      nP = __popc(__ballot_sync(dev::kFullMask, skey != 0));
-      const int32_t pp = skey ? key_pos(skey) : INT_MAX;
-      for (int src = 0; src < 32; ++src) su += __shfl_sync(dev::kFullMask, pp, src) < pp;
-      if (skey) upos[su] = pp;
+      load_list_regs<R>(skey, p.block_prefix + w * p.k, K, lane);
+      int32_t pp[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        nP += __popc(__ballot_sync(dev::kFullMask, skey[r] != 0));
+        pp[r] = skey[r] ? key_pos(skey[r]) : INT_MAX;
+      }
+#pragma unroll
+      for (int r2 = 0; r2 < R; ++r2)
+        for (int src = 0; src < 32; ++src) {
+          const int32_t o = __shfl_sync(dev::kFullMask, pp[r2], src);
+#pragma unroll
+          for (int r = 0; r < R; ++r) su[r] += o < pp[r];
+        }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (skey[r]) upos[su[r]] = pp[r];
     }
     for (int t = lane; t < n_own; t += 32) upos[nP + t] = (int32_t)(t0 + t);
     __syncwarp();
     const int nU = nP + n_own;
-    int32_t pos_c[kSmallChunks];
-    uint64_t key_c[kSmallChunks];
-    bool sel_c[kSmallChunks];
+    int32_t pos_c[C];
+    uint64_t key_c[C];
+    bool sel_c[C];
 #pragma unroll
-    for (int c = 0; c < kSmallChunks; ++c) {
+    for (int c = 0; c < C; ++c) {
       const int u = lane + 32 * c;
       pos_c[c] = u < nU ? upos[u] : 0;
       key_c[c] = u < nU ? key_at<T>(p, b, h, pos_c[c]) : 0;
       sel_c[c] = u < nP;
     }
     const int32_t s_lo = lane < n_own ? start[t0 + lane] : 0, s_hi = lane + 32 < n_own ? start[t0 + lane + 32] : 0;
+    // Left-out keys (block form with ex_rank): each candidate's rank, each own query's bounds.
+    const bool ex = kPlan && p.ex_rank != nullptr;
+    int32_t rank_c[C] = {}, elo[2] = {1, 1}, ehi[2] = {0, 0};
+    if (ex) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) rank_c[c] = lane + 32 * c < nU ? p.ex_rank[bh * p.L + pos_c[c]] : 0;
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (lane + 32 * r < n_own) elo[r] = p.ex_lo[bh * p.L + t0 + lane + 32 * r], ehi[r] = p.ex_hi[bh * p.L + t0 + lane + 32 * r];
+    }
     __syncwarp();  // upos is read before the next block's writes
     auto set_sel = [&](int u, bool v) {
 #pragma unroll
-      for (int c = 0; c < kSmallChunks; ++c)
+      for (int c = 0; c < C; ++c)
         if (u == lane + 32 * c) sel_c[c] = v;
     };
     for (int q = 0; q < n_own; ++q) {
@@ -522,28 +601,47 @@ __global__ void query_small_kernel(TopKPrefixParams p) {
       const int ui = nP + q;  // i's index in U
       const int32_t si = __shfl_sync(dev::kFullMask, q < 32 ? s_lo : s_hi, q % 32);
       if (si == i) {  // a sequence starts: nothing before i is eligible
-        skey = 0;
 #pragma unroll
-        for (int c = 0; c < kSmallChunks; ++c) sel_c[c] = false;
+        for (int r = 0; r < R; ++r) skey[r] = 0;
+#pragma unroll
+        for (int c = 0; c < C; ++c) sel_c[c] = false;
       }
-      const int cu = ui / 32;
-      const uint64_t x = __shfl_sync(dev::kFullMask, cu == 0 ? key_c[0] : cu == 1 ? key_c[1] : key_c[2], ui % 32);
-      const int rank = __popc(__ballot_sync(dev::kFullMask, lane < K && skey > x));
+      const uint64_t x = __shfl_sync(dev::kFullMask, pick<C>(key_c, ui / 32), ui % 32);
+      int rank = 0;
+#pragma unroll
+      for (int r = 0; r < R; ++r) rank += __popc(__ballot_sync(dev::kFullMask, 32 * r + lane < K && skey[r] > x));
       if (rank < K) {  // i enters at rank; the k-th selected (if any) drops out
-        const uint64_t last_key = __shfl_sync(dev::kFullMask, skey, K - 1);
-        const int last_u = __shfl_sync(dev::kFullMask, su, K - 1);
-        const uint64_t up_key = __shfl_up_sync(dev::kFullMask, skey, 1);
-        const int up_u = __shfl_up_sync(dev::kFullMask, su, 1);
-        if (lane > rank && lane < K) skey = up_key, su = up_u;
-        if (lane == rank) skey = x, su = ui;
+        const uint64_t last_key = __shfl_sync(dev::kFullMask, pick<R>(skey, (K - 1) / 32), (K - 1) % 32);
+        const int last_u = __shfl_sync(dev::kFullMask, pick<R>(su, (K - 1) / 32), (K - 1) % 32);
+        uint64_t up_key[R];
+        int up_u[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {  // entry e - 1 for every entry e: lane - 1, or lane 31 of r - 1
+          up_key[r] = __shfl_up_sync(dev::kFullMask, skey[r], 1);
+          up_u[r] = __shfl_up_sync(dev::kFullMask, su[r], 1);
+          const uint64_t wrap_key = __shfl_sync(dev::kFullMask, r > 0 ? skey[r > 0 ? r - 1 : 0] : 0ull, 31);
+          const int wrap_u = __shfl_sync(dev::kFullMask, r > 0 ? su[r > 0 ? r - 1 : 0] : 0, 31);
+          if (lane == 0) up_key[r] = wrap_key, up_u[r] = wrap_u;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int e = 32 * r + lane;
+          if (e > rank && e < K) skey[r] = up_key[r], su[r] = up_u[r];
+          if (e == rank) skey[r] = x, su[r] = ui;
+        }
         set_sel(ui, true);
         if (last_key != 0) set_sel(last_u, false);
       }
       if constexpr (kPlan) {
+        int32_t lo = 1, hi = 0;  // the query's band (empty when lo > hi)
+        if (ex) {
+          lo = __shfl_sync(dev::kFullMask, q < 32 ? elo[0] : elo[1], q % 32);
+          hi = __shfl_sync(dev::kFullMask, q < 32 ? ehi[0] : ehi[1], q % 32);
+        }
 #pragma unroll
-        for (int c = 0; c < kSmallChunks; ++c) {
-          const unsigned m = __ballot_sync(dev::kFullMask, sel_c[c]);
-          if (lane == 0) selm_s[threadIdx.x / 32][q * kSmallChunks + c] = m;
+        for (int c = 0; c < C; ++c) {
+          const unsigned m = __ballot_sync(dev::kFullMask, sel_c[c] && !(lo <= rank_c[c] && rank_c[c] <= hi));
+          if (lane == 0) selm_s[threadIdx.x / 32][q * C + c] = m;
         }
         continue;
       }
@@ -551,7 +649,7 @@ __global__ void query_small_kernel(TopKPrefixParams p) {
       int32_t* dst = p.out + (bh * p.L + i) * p.k;
       int filled = 0;
 #pragma unroll
-      for (int c = 0; c < kSmallChunks; ++c) {
+      for (int c = 0; c < C; ++c) {
         const unsigned m = __ballot_sync(dev::kFullMask, sel_c[c]);
         if (sel_c[c]) dst[filled + __popc(m & lanes_below)] = pos_c[c];
         filled += __popc(m);
@@ -560,7 +658,7 @@ __global__ void query_small_kernel(TopKPrefixParams p) {
     }
     if constexpr (kPlan) {
       __syncwarp();
-      emit_block(p, w, selm_s[threadIdx.x / 32], kSmallChunks, upos, nU, n_own, lane);
+      emit_block(p, w, selm_s[threadIdx.x / 32], C, upos, nU, n_own, lane);
       __syncwarp();  // upos and the words are read before the next block's writes
     }
   }
@@ -599,18 +697,20 @@ void launch(const TopKPrefixParams& p, cudaStream_t st) {
   block_top_kernel<T><<<dev::grid_for(BH * nblk * 32, dev::kThreads), dev::kThreads, 0, st>>>(p);
   ops::cuda::check_launch("top_k_prefix (block top)");
 
-  if (p.k <= 32) {  // lists in registers
+  auto small = [&](auto regs) {  // k <= 32 R: lists in R registers per lane
+    constexpr int R = decltype(regs)::value;
     const unsigned t = 4 * 32;
-    super_fold_small_kernel<<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
+    super_fold_small_kernel<R><<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (super fold)");
-    super_prefix_small_kernel<<<dev::grid_for(BH, 1), 32, 0, st>>>(p);
+    super_prefix_small_kernel<R><<<dev::grid_for(BH, 1), 32, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (super prefix)");
-    block_prefix_small_kernel<<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
+    block_prefix_small_kernel<R><<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (block prefix)");
-    query_small_kernel<T, kPlan><<<dev::grid_for(BH * nblk, kQueryWarps), kQueryWarps * 32, 0, st>>>(p);
+    query_small_kernel<T, kPlan, R><<<dev::grid_for(BH * nblk, kQueryWarps), kQueryWarps * 32, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (queries)");
-    return;
-  }
+  };
+  if (p.k <= 32) return small(std::integral_constant<int, 1>{});
+  if (p.k <= 64) return small(std::integral_constant<int, 2>{});
   const int64_t scan_smem = scan_smem_per_warp(p.k);
   int warps = warps_for(super_fold_kernel, scan_smem);
   super_fold_kernel<<<dev::grid_for(BH * nsup, warps), warps * 32, warps * scan_smem, st>>>(p, scan_smem);
