@@ -158,23 +158,28 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
   // in position order, and the two attentions are joined by their log-sum-exps.
   const bool has_lsh = std::find(parts_.begin(), parts_.end(), "lsh") != parts_.end();
   const bool has_ks = std::find(parts_.begin(), parts_.end(), "ks") != parts_.end();
-  const bool ks_blocks = has_ks && keys_per_part_ <= patterns::kTopKBlocksMaxK && keys_per_part_ < L &&
-                         ops::sparse_attention_blocks_native(q, vh);
+  // GPU: Key Selection in its block form (the prefix top-k plus each block's own keys) goes
+  // straight to the tile kernels, without lists or a plan kernel; less a band's keys when given.
+  const bool ks_blocks = has_ks && !(ctx && ctx->record) && keys_per_part_ <= patterns::kTopKBlocksMaxK &&
+                         keys_per_part_ < L && ops::sparse_attention_blocks_native(q, vh);
+  auto ks_blocks_attention = [&](const patterns::LshBand* exclude) {
+    ops::TileBlocks blocks;
+    {
+      RECORD_USER_SCOPE("hax::ks_scores_and_blocks");
+      scores = scorer->forward(k, q, seq_idx);  // (B, L, H)
+      torch::NoGradGuard ng;
+      blocks = patterns::top_k_prefix_blocks(scores.detach(), keys_per_part_, seq_idx, exclude);
+    }
+    if (scores_out) *scores_out = scores;
+    RECORD_USER_SCOPE("hax::sparse_attention");
+    return ops::sparse_attention_blocks(q, k, vh, blocks, {}, 1.0);
+  };
   if (has_lsh && vh.is_cuda() && !(ctx && ctx->record) && lsh_as_band(parts_.size())) {
     const patterns::LshBand band = lsh_band(q, k, seq_idx, ctx);
     auto [o1, lse1] = lsh_band_attention(q, k, vh, band, 1.0);
     if (parts_.size() == 1) return o1;
     if (parts_.size() == 2 && ks_blocks) {  // HAX: Key Selection's blocks less the band's keys
-      ops::TileBlocks blocks;
-      {
-        RECORD_USER_SCOPE("hax::ks_scores_and_blocks");
-        scores = scorer->forward(k, q, seq_idx);  // (B, L, H)
-        torch::NoGradGuard ng;
-        blocks = patterns::top_k_prefix_blocks(scores.detach(), keys_per_part_, seq_idx, &band);
-      }
-      if (scores_out) *scores_out = scores;
-      RECORD_USER_SCOPE("hax::sparse_attention");
-      auto [o2, lse2] = ops::sparse_attention_blocks(q, k, vh, blocks, {}, 1.0);
+      auto [o2, lse2] = ks_blocks_attention(&band);
       return ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2);
     }
     const std::vector<patterns::KeyLists> rest = part_lists(q, k, seq_idx, ctx, &scores, /*skip_lsh=*/true);
@@ -184,21 +189,7 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     auto [o2, lse2] = ops::sparse_attention(q, k, vh, others.idx, {}, {}, others.q_order, 1.0);
     return ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2);
   }
-  // GPU, Key Selection alone: its block form (the prefix top-k plus each block's own keys) goes
-  // straight to the tile kernels, without lists or a plan kernel.
-  if (parts_.size() == 1 && parts_[0] == "ks" && !(ctx && ctx->record) && keys_per_part_ <= patterns::kTopKBlocksMaxK &&
-      keys_per_part_ < L && ops::sparse_attention_blocks_native(q, vh)) {
-    ops::TileBlocks blocks;
-    {
-      RECORD_USER_SCOPE("hax::ks_scores_and_blocks");
-      scores = scorer->forward(k, q, seq_idx);  // (B, L, H)
-      torch::NoGradGuard ng;
-      blocks = patterns::top_k_prefix_blocks(scores.detach(), keys_per_part_, seq_idx);
-    }
-    if (scores_out) *scores_out = scores;
-    RECORD_USER_SCOPE("hax::sparse_attention");
-    return std::get<0>(ops::sparse_attention_blocks(q, k, vh, blocks, {}, 1.0));
-  }
+  if (parts_.size() == 1 && ks_blocks) return std::get<0>(ks_blocks_attention(nullptr));  // Key Selection alone
   std::vector<patterns::KeyLists> parts = part_lists(q, k, seq_idx, ctx, &scores);
   if (scores_out) *scores_out = scores;
   // CPU, HAX (a part computed in a query order of its own, LSH's buckets, beside one in position
