@@ -37,6 +37,17 @@ void check_blocks(const char* op, const TileBlocks& bl, int64_t B, int64_t H, in
   HAX_CHECK(bl.max_keys >= 0, "{}: blocks.max_keys = {} must be >= 0", op, bl.max_keys);
 }
 
+// Every block's key count (non-empty count) must be in [0, kAttentionTileMaxKeys]: one copy of its
+// range to the host. Returns the largest.
+int32_t check_counts(const char* op, const at::Tensor& count) {
+  const at::Tensor range = at::stack({count.min(), count.max()}).cpu();
+  const int32_t lo = range[0].item<int32_t>(), hi = range[1].item<int32_t>();
+  HAX_CHECK(lo >= 0 && hi <= kAttentionTileMaxKeys,
+            "{}: a block's key count is {} but must be in [0, {}] (a block whose union did not fit has no keys here)",
+            op, lo < 0 ? lo : hi, kAttentionTileMaxKeys);
+  return hi;
+}
+
 // The plan view of contiguous blocks.
 AttentionTilePlan plan_view(const at::Tensor& count, const at::Tensor& keys, const at::Tensor& mask) {
   AttentionTilePlan v;
@@ -195,11 +206,7 @@ at::Tensor tile_blocks_to_lists(const TileBlocks& bl, int64_t L) {
   check_blocks(op, bl, B, H, L, bl.count.device());
   const auto i32 = bl.keys.options();
   if (B * H * L == 0 || K == 0) return at::full({B, H, L, K}, -1, i32);
-  const at::Tensor range = at::stack({bl.count.min(), bl.count.max()}).cpu();
-  const int32_t lo = range[0].item<int32_t>(), hi = range[1].item<int32_t>();
-  HAX_CHECK(lo >= 0 && hi <= kAttentionTileMaxKeys,
-            "{}: a block's key count is {} but must be in [0, {}] (a block whose union did not fit has no keys here)",
-            op, lo < 0 ? lo : hi, kAttentionTileMaxKeys);
+  const int32_t hi = check_counts(op, bl.count);
   const int64_t nt = std::max<int64_t>(1, (hi + 63) / 64), nblk = tile_blocks_count(L), Q = kAttentionTileQueries;
   // bits (B, H, nblk, 64 queries, nt * 64 union slots): whether each query sees each slot.
   const at::Tensor shifts = at::arange(64, bl.mask.options());
@@ -251,12 +258,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_blocks(const at::Tensor& q, 
     const at::Tensor idx = tile_blocks_to_lists(blocks, L);
     return sparse_attention(q, k, v, idx, bias, {}, {}, scale);
   }
-  if (check_device_values() && blocks.count.numel() > 0) {
-    const at::Tensor range = at::stack({blocks.count.min(), blocks.count.max()}).cpu();
-    const int32_t lo = range[0].item<int32_t>(), hi = range[1].item<int32_t>();
-    HAX_CHECK(lo >= 0 && hi <= kAttentionTileMaxKeys, "{}: blocks.count holds {} but must be in [0, {}]", kOp,
-              lo < 0 ? lo : hi, kAttentionTileMaxKeys);
-  }
+  if (check_device_values() && blocks.count.numel() > 0) check_counts(kOp, blocks.count);
   auto out = BlocksAttentionFunction::apply(q, k, v, bias.defined() ? bias : at::empty({0}, q.options()),
                                             blocks.count, blocks.keys, blocks.mask, blocks.max_keys, scale);
   return {out[0], out[1]};
