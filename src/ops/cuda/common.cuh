@@ -50,9 +50,11 @@ template <class K>
 inline void allow_smem(K kernel, size_t bytes, const char* what) {
   if (bytes <= 48 * 1024) return;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it, so that later launches and copies do not report it
     throw std::runtime_error(std::string(what) + ": cannot get " + std::to_string(bytes) +
                              " bytes of shared memory: " + cudaGetErrorString(e));
+  }
 }
 
 }  // namespace hax::ops::cuda

@@ -1,0 +1,216 @@
+// The fused scorer MLP (scorer_mlp.h) on tensor cores: one launch, bfloat16 storage, float32
+// accumulation.
+//
+// A block of up to kMaxWarps warps (as many as shared memory holds) copies W1 and W2 into shared memory once (cp.async), then each warp
+// takes tiles of 16 rows in turn (tile = global warp index, stride = all warps of the grid):
+//   1. the tile's inputs [k_r ; u_r] (16 x 2N) come by cp.async into the warp's buffer, the next
+//      tile's copy in flight while the current one is computed (two buffers per warp);
+//   2. layer 1: acc(16 x hidden) = X W1^T by mma.m16n8k16 (A from the buffer by ldmatrix, B the
+//      rows of W1 by ldmatrix, as stored: W1 is (out, in) with `in` contiguous);
+//   3. h1 = relu(acc + b1) rounded to bfloat16: the accumulator fragments of two neighbouring
+//      8-column tiles are exactly the A fragment of a 16-wide k step (mma_bf16.cuh), so h1 goes to
+//      layer 2 in registers;
+//   4. layer 2 the same way with W2; h2 = relu(acc + b2) rounded to bfloat16;
+//   5. layer 3 in float32: each thread's share of h2 · w3 for its two rows, summed over the 4
+//      threads of a row (shuffles), plus b3, rounded to bfloat16 and stored.
+// Sizes: 2N a multiple of 16 up to 256, hidden 16..128 (a template parameter: the accumulators
+// and h1 are hidden / 2 + hidden / 4 registers per thread).
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/cp_async.cuh"
+#include "ops/cuda/mma_bf16.cuh"
+#include "ops/scorer_mlp/params.h"
+
+namespace hax::ops {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::to_f32;
+namespace mma = cuda::mma;
+
+constexpr int kMaxWarps = 8;          // warps per block, fewer where their input tiles would not fit
+constexpr int kThreads = 32 * kMaxWarps;
+constexpr size_t kMaxSmem = 227 * 1024;  // an H100's shared memory per block
+constexpr int kRows = 16;             // rows per warp tile (one mma row block)
+
+// Shared memory of a block, in bytes from the start: W1 [hidden][2N + 8], W2 [hidden][hidden + 8]
+// (bfloat16, rows padded by 8 so that ldmatrix's 8 rows fall on distinct bank groups), b1, b2, w3
+// (float32, hidden each), then two input tiles [16][2N + 8] per warp.
+struct SmemLayout {
+  int ldi, ldh;                  // row strides (entries) of W1 and the input tiles, of W2
+  size_t w2, bias, tiles, bytes;  // offsets of W2, of b1 (b2, w3 follow), of the tiles; total
+};
+__host__ __device__ inline SmemLayout smem_layout(int64_t half, int hidden, int warps) {
+  SmemLayout s;
+  s.ldi = (int)(2 * half) + 8;
+  s.ldh = hidden + 8;
+  s.w2 = (size_t)hidden * s.ldi * sizeof(bf16);
+  s.bias = s.w2 + (size_t)hidden * s.ldh * sizeof(bf16);
+  s.tiles = s.bias + 3 * (size_t)hidden * sizeof(float);
+  s.bytes = s.tiles + (size_t)warps * 2 * kRows * s.ldi * sizeof(bf16);
+  return s;
+}
+
+template <int HID>
+__global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p) {
+  constexpr int NT = HID / 8;  // 8-column accumulator tiles of a hidden layer
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warps = blockDim.x >> 5;
+  const SmemLayout L = smem_layout(p.half, HID, warps);
+  const int N = (int)p.half, IN = 2 * N, ldi = L.ldi;
+  constexpr int ldh = HID + 8;
+  bf16* sW1 = reinterpret_cast<bf16*>(smem);
+  bf16* sW2 = reinterpret_cast<bf16*>(smem + L.w2);
+  float* sB1 = reinterpret_cast<float*>(smem + L.bias);
+  float* sB2 = sB1 + HID;
+  float* sW3 = sB2 + HID;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  bf16* buf0 = reinterpret_cast<bf16*>(smem + L.tiles) + warp * 2 * kRows * ldi;
+  bf16* buf1 = buf0 + kRows * ldi;
+
+  // The weights, once per block (16-byte chunks; IN and HID are multiples of 8).
+  const bf16 *W1 = (const bf16*)p.w1, *W2 = (const bf16*)p.w2;
+  for (int c = threadIdx.x; c < HID * (IN / 8); c += blockDim.x) {
+    const int r = c / (IN / 8), q = (c % (IN / 8)) * 8;
+    cuda::cp_async16(sW1 + r * ldi + q, W1 + (int64_t)r * IN + q, true);
+  }
+  for (int c = threadIdx.x; c < HID * (HID / 8); c += blockDim.x) {
+    const int r = c / (HID / 8), q = (c % (HID / 8)) * 8;
+    cuda::cp_async16(sW2 + r * ldh + q, W2 + (int64_t)r * HID + q, true);
+  }
+  cuda::cp_async_commit();
+  for (int c = threadIdx.x; c < HID; c += blockDim.x) {
+    sB1[c] = p.b1 ? to_f32(((const bf16*)p.b1)[c]) : 0.f;
+    sB2[c] = p.b2 ? to_f32(((const bf16*)p.b2)[c]) : 0.f;
+    sW3[c] = to_f32(((const bf16*)p.w3)[c]);
+  }
+  const float b3 = p.b3 ? to_f32(((const bf16*)p.b3)[0]) : 0.f;
+
+  // Copies the inputs of tile t (rows 16 t ..) into dst: chunk q of a row is k's while q < N / 8,
+  // then u's; rows past R are zeros.
+  const bf16 *K = (const bf16*)p.k, *U = (const bf16*)p.u;
+  auto issue = [&](int64_t t, bf16* dst) {
+    const int cpr = IN / 8;
+    for (int c = lane; c < kRows * cpr; c += 32) {
+      const int r = c / cpr, q = (c % cpr) * 8;
+      const int64_t row = t * kRows + r;
+      const bool ok = row < p.rows;
+      const int64_t at = (ok ? row : 0) * N;
+      cuda::cp_async16(dst + r * ldi + q, q < N ? K + at + q : U + at + (q - N), ok);
+    }
+  };
+  const int64_t tiles = (p.rows + kRows - 1) / kRows, stride = (int64_t)gridDim.x * warps;
+  int64_t tile = (int64_t)blockIdx.x * warps + warp;
+  if (tile < tiles) issue(tile, buf0);
+  cuda::cp_async_commit();
+  cuda::cp_async_wait<0>();
+  __syncthreads();  // the weights and biases are visible to every warp
+
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
+  // ldmatrix addresses: an A fragment (rows lane % 16, columns 8 (lane / 16)); the B fragments of
+  // two neighbouring 8-column tiles (rows 8 ((lane / 16) % 2) + lane % 8, columns 8 ((lane / 8) % 2)).
+  const int a_row = lane & 15, a_col = (lane >> 4) * 8;
+  const int b_row = ((lane >> 4) & 1) * 8 + (lane & 7), b_col = ((lane >> 3) & 1) * 8;
+  for (int it = 0; tile < tiles; ++it, tile += stride) {
+    const bf16* cur = it & 1 ? buf1 : buf0;
+    if (tile + stride < tiles) issue(tile + stride, it & 1 ? buf0 : buf1);
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<1>();
+    __syncwarp();  // every lane's copies of the current tile are visible
+
+    // Layer 1: acc = X W1^T.
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll 2
+    for (int kk = 0; kk < IN; kk += 16) {
+      uint32_t a[4];
+      mma::ldsm_x4<false>(a, cur + a_row * ldi + kk + a_col);
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t b[4];
+        mma::ldsm_x4<false>(b, sW1 + (j * 8 + b_row) * ldi + kk + b_col);
+        mma::mma(acc[j], a, b[0], b[1]);
+        mma::mma(acc[j + 1], a, b[2], b[3]);
+      }
+    }
+    // h1 = relu(acc + b1) in bfloat16, as the A fragments of layer 2's k steps.
+    uint32_t h[NT / 2][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float c0 = sB1[j * 8 + t2], c1 = sB1[j * 8 + t2 + 1];
+      h[j / 2][(j & 1) * 2] = mma::pack_bf16(fmaxf(acc[j][0] + c0, 0.f), fmaxf(acc[j][1] + c1, 0.f));
+      h[j / 2][(j & 1) * 2 + 1] = mma::pack_bf16(fmaxf(acc[j][2] + c0, 0.f), fmaxf(acc[j][3] + c1, 0.f));
+    }
+    // Layer 2: acc = h1 W2^T.
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < NT / 2; ++ks) {
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t b[4];
+        mma::ldsm_x4<false>(b, sW2 + (j * 8 + b_row) * ldh + ks * 16 + b_col);
+        mma::mma(acc[j], h[ks], b[0], b[1]);
+        mma::mma(acc[j + 1], h[ks], b[2], b[3]);
+      }
+    }
+    // Layer 3: rows g and g + 8 of the tile, h2 rounded to bfloat16 first.
+    auto round = [](float x) { return __bfloat162float(__float2bfloat16(x)); };
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = j * 8 + t2 + e;
+        const float w = sW3[c], bias = sB2[c];
+        s0 = fmaf(round(fmaxf(acc[j][e] + bias, 0.f)), w, s0);
+        s1 = fmaf(round(fmaxf(acc[j][2 + e] + bias, 0.f)), w, s1);
+      }
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    if ((lane & 3) == 0) {
+      bf16* out = (bf16*)p.out;
+      const int64_t r0 = tile * kRows + g, r1 = r0 + 8;
+      if (r0 < p.rows) out[r0] = __float2bfloat16(s0 + b3);
+      if (r1 < p.rows) out[r1] = __float2bfloat16(s1 + b3);
+    }
+    __syncwarp();  // every lane is done with `cur` before the next iteration's copy refills it
+  }
+  cuda::cp_async_wait<0>();  // no copy outlives the block
+}
+
+template <int HID>
+void launch(const ScorerMlpParams& p, cudaStream_t stream) {
+  int warps = kMaxWarps;
+  while (warps > 1 && smem_layout(p.half, HID, warps).bytes > kMaxSmem) --warps;
+  const SmemLayout L = smem_layout(p.half, HID, warps);
+  const int threads = 32 * warps;
+  cuda::allow_smem(scorer_mlp_kernel<HID>, L.bytes, "scorer_mlp");
+  int per_sm = 0, sms = 0, dev = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, threads, L.bytes);
+  const int64_t tiles = (p.rows + kRows - 1) / kRows;
+  const int64_t want = cuda::ceil_div(tiles, warps), fit = (int64_t)std::max(1, per_sm) * std::max(1, sms);
+  const unsigned blocks = (unsigned)std::min(want, fit);
+  scorer_mlp_kernel<HID><<<blocks, threads, L.bytes, stream>>>(p);
+  cuda::check_launch("scorer_mlp");
+}
+
+}  // namespace
+
+void scorer_mlp_forward_cuda(const ScorerMlpParams& p, void* stream) {
+  if (p.rows == 0) return;
+  const cudaStream_t s = (cudaStream_t)stream;
+  switch (p.hidden) {
+    case 16: return launch<16>(p, s);
+    case 32: return launch<32>(p, s);
+    case 64: return launch<64>(p, s);
+    case 128: return launch<128>(p, s);
+    default: throw std::runtime_error("scorer_mlp: hidden = " + std::to_string(p.hidden) + " is not 16, 32, 64 or 128");
+  }
+}
+
+}  // namespace hax::ops
