@@ -113,7 +113,7 @@ at::Tensor prefix_query_direction(const at::Tensor& q0, const at::Tensor& seq_id
 at::Tensor KeyScorer::forward(const at::Tensor& k, const at::Tensor& q, const at::Tensor& seq_idx) {
   const at::Tensor kd = k.detach(), u = prefix_query_direction(q, seq_idx);  // (B, L, H, N) each
   // CUDA in bfloat16 (or under autocast): the whole MLP in one kernel (ops/scorer_mlp).
-  if (ops::scorer_mlp_fused_applies(kd, u, l1->weight, l2->weight) && l3->weight.size(0) == 1)
+  if (ops::scorer_mlp_fused_applies(kd, u, l1->weight, l2->weight))
     return ops::scorer_mlp(kd, u, l1->weight, l1->bias, l2->weight, l2->bias, l3->weight, l3->bias);
   auto mlp = [&](int64_t t0, int64_t n) {
     at::Tensor h = at::cat({kd.narrow(1, t0, n), u.narrow(1, t0, n)}, -1);  // (B, n, H, 2N)
