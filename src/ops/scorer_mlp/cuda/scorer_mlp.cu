@@ -15,6 +15,11 @@
 //      threads of a row (shuffles), plus b3, rounded to bfloat16 and stored.
 // Sizes: 2N a multiple of 16 up to 256, hidden 16..128 (a template parameter: the accumulators
 // and h1 are hidden / 2 + hidden / 4 registers per thread).
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
@@ -181,19 +186,44 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
   cuda::cp_async_wait<0>();  // no copy outlives the block
 }
 
+// The launch shape of scorer_mlp_kernel<HID> for one 2N on one device: warps a block and blocks
+// that fit the GPU at once. Computed (with the shared-memory attribute set) once per (device, 2N):
+// the attribute and occupancy queries cost host time on every call otherwise.
+struct LaunchShape {
+  int warps = 1;
+  size_t bytes = 0;
+  int64_t fit = 1;  // resident blocks: per SM x SMs
+};
+
+template <int HID>
+LaunchShape launch_shape(int64_t half) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int64_t>, LaunchShape> cache;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(dev, half);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  LaunchShape sh;
+  sh.warps = kMaxWarps;
+  while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
+  sh.bytes = smem_layout(half, HID, sh.warps).bytes;
+  cuda::allow_smem(scorer_mlp_kernel<HID>, sh.bytes, "scorer_mlp");
+  int per_sm = 0, sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, sh.bytes);
+  sh.fit = (int64_t)std::max(1, per_sm) * std::max(1, sms);
+  cache.emplace(key, sh);
+  return sh;
+}
+
 template <int HID>
 void launch(const ScorerMlpParams& p, cudaStream_t stream) {
-  int warps = kMaxWarps;
-  while (warps > 1 && smem_layout(p.half, HID, warps).bytes > kMaxSmem) --warps;
+  const LaunchShape sh = launch_shape<HID>(p.half);
+  const int warps = sh.warps, threads = 32 * warps;
   const SmemLayout L = smem_layout(p.half, HID, warps);
-  const int threads = 32 * warps;
-  cuda::allow_smem(scorer_mlp_kernel<HID>, L.bytes, "scorer_mlp");
-  int per_sm = 0, sms = 0, dev = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, threads, L.bytes);
   const int64_t tiles = (p.rows + kRows - 1) / kRows;
-  const int64_t want = cuda::ceil_div(tiles, warps), fit = (int64_t)std::max(1, per_sm) * std::max(1, sms);
+  const int64_t want = cuda::ceil_div(tiles, warps), fit = sh.fit;
   const unsigned blocks = (unsigned)std::min(want, fit);
   scorer_mlp_kernel<HID><<<blocks, threads, L.bytes, stream>>>(p);
   cuda::check_launch("scorer_mlp");
