@@ -569,8 +569,11 @@ TEST(SparseAttentionCuda, TilePathMatchesReferenceAndPerQueryKernels) {
     }
   // The plan stages the lists in shared memory 16 bytes at a time (K % 4 == 0, above), one entry at
   // a time (K = 13), or not at all (K = 400 > kMaxStagedKeys; a 400-key window's union still fits).
+  // K = 176: 44 KB of staged lists, under 48 KB alone but not with the kernel's static shared
+  // memory (the launch failed until the plan raised its limit for the two together).
   sizes.push_back({1, 1025, 1025, 1, 64, 64, 1, 13, Lists::kCausal, true, false, true});
   sizes.push_back({1, 1025, 1025, 1, 32, 32, 1, 400, Lists::kWindow, false, false, false});
+  sizes.push_back({1, 1025, 1025, 1, 64, 64, 1, 176, Lists::kWindow, false, false, false});
   for (const AttnSize& s : sizes) {
     SCOPED_TRACE(describe(s));
     expect_cuda_bf16_close(attention_case(s), 5e-3);

@@ -7,6 +7,7 @@
 // tile plan kernel and the query kernels' block form equal the CPU's blocks exactly.
 #include <climits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_harness.h"
@@ -290,6 +291,107 @@ TEST(TileBlocksCuda, HaxSplitMatchesFloat32AndBf16) {
     expect_cuda_matches_cpu(c, 5e-5, 1e-4);
     expect_cuda_bf16_close(c, 5e-3);
   }
+}
+
+namespace {
+
+// Sorted lists of K distinct random keys from [0, range) for every (b, h, i), some dropped (-1).
+at::Tensor random_lists(int64_t B, int64_t H, int64_t L, int64_t K, int64_t range) {
+  const at::Tensor keys = at::rand({B * H * L, range}).argsort(int64_t{-1}, false).narrow(1, 0, K).to(at::kInt);
+  return thinned(std::get<0>(keys.sort(-1)).reshape({B, H, L, K}), 0.2);
+}
+
+// sparse_attention_union over lists a and b (q_order a's, or b's) with patterns::merge_overflow_rows
+// for the blocks that overflow, against the dense reference over merge(a, b). Where the union op
+// does not apply (float32, the CPU), the op is sparse_attention on merge(a, b).
+OpCase union_case(const std::string& name, const pat::KeyLists& a, const pat::KeyLists& b, int64_t Lk, int64_t D) {
+  OpCase c;
+  c.name = name;
+  const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2);
+  const pat::KeyLists merged = pat::merge(a, b);
+  const double scale = 1.0 / std::sqrt((double)D);
+  c.make_inputs = [=](at::ScalarType dt) {
+    auto o = at::TensorOptions().dtype(dt);
+    return Tensors{at::randn({B, L, H, D}, o).requires_grad_(), at::randn({B, Lk, H, D}, o).requires_grad_(),
+                   at::randn({B, Lk, H, D}, o).requires_grad_()};
+  };
+  c.op = [=](const Tensors& in) {
+    const at::Device dev = in[0].device();
+    auto on = [&](const pat::KeyLists& x) {
+      return pat::KeyLists{x.idx.to(dev), x.q_order.defined() ? x.q_order.to(dev) : x.q_order};
+    };
+    const pat::KeyLists ga = on(a), gb = on(b);
+    const at::Tensor order = ga.q_order.defined() ? ga.q_order : gb.q_order;
+    if (!hax::ops::sparse_attention_union_native(in[0], in[2], ga.idx.size(3), gb.idx.size(3))) {
+      EXPECT_FALSE(dev.is_cuda() && in[0].scalar_type() == at::kBFloat16) << "the union op should apply";
+      return Tensors{std::get<0>(hax::ops::sparse_attention(in[0], in[1], in[2], pat::merge(ga, gb).idx, {}, {},
+                                                             order, scale))};
+    }
+    const auto merge_overflow = [&](const at::Tensor& count) { return pat::merge_overflow_rows(ga, gb, count); };
+    return Tensors{std::get<0>(hax::ops::sparse_attention_union(in[0], in[1], in[2], ga.idx, gb.idx, order, scale,
+                                                                merge_overflow))};
+  };
+  c.reference = [=](const Tensors& in) {
+    return Tensors{std::get<0>(hax::ops::sparse_attention_reference(in[0], in[1], in[2], merged.idx, {}, {}, scale))};
+  };
+  return c;
+}
+
+}  // namespace
+
+// HAX's two lists on the tile path without merging them first (sparse_attention_union): LSH's in
+// bucket order with Key Selection's, and random lists whose blocks all fit (keys from a range of
+// 150), all overflow (keys from all of [0, Lk) in a random query order), or half and half; list
+// widths that the plan stages 16 bytes at a time (32 + 32) or one entry at a time (13 + 20), and
+// one (48 + 16) whose overflow rows come from the full merge. Against the dense float64 reference
+// over the merged lists, in bfloat16 (and float32 through the merged lists).
+TEST(TileBlocksCuda, UnionOfTwoListsMatchesMergedLists) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(103);
+  for (const BlockCase& s : kHaxCases) {
+    const at::Tensor seq = s.packed ? random_packing(s.B, s.L, 0.02) : at::Tensor();
+    const at::Tensor hq = at::randn({s.B, s.L, s.H, 16}), hk = at::randn({s.B, s.L, s.H, 16});
+    const pat::KeyLists lsh = pat::lsh(hq, hk, s.K, pat::lsh_projection(16, 3, 6), pat::Binning::kSign, seq);
+    const pat::KeyLists ks = pat::top_k_prefix(at::randn({s.B, s.L, s.H}), s.K, seq);
+    const OpCase c = union_case("hax lists B" + std::to_string(s.B) + " L" + std::to_string(s.L) + " K" +
+                                    std::to_string(s.K) + (s.packed ? " packed" : ""),
+                                lsh, ks, s.L, s.D);
+    SCOPED_TRACE(c.name);
+    if (s.L <= 100) expect_cuda_matches_cpu(c, 5e-5, 1e-4);
+    expect_cuda_bf16_close(c, 5e-3);
+  }
+  const int64_t B = 1, H = 2, L = 1025, Lk = 1100;
+  for (auto [Ka, Kb] : {std::pair<int64_t, int64_t>{32, 32}, {13, 20}, {48, 16}})
+    for (int mix : {0, 1, 2}) {  // blocks that fit, that overflow, half and half
+      const at::Tensor order = at::rand({B, H, L}).argsort(int64_t{-1}, false).to(at::kInt);
+      pat::KeyLists a{random_lists(B, H, L, Ka, mix == 1 ? Lk : 150), mix == 1 ? order : at::Tensor()};
+      at::Tensor bi = random_lists(B, H, L, Kb, 150);
+      if (mix > 0) {
+        const at::Tensor wide = random_lists(B, H, L, Kb, Lk);
+        bi = mix == 1 ? wide : at::cat({bi.narrow(2, 0, 512), wide.narrow(2, 512, L - 512)}, 2);
+      }
+      const OpCase c = union_case("random Ka " + std::to_string(Ka) + " Kb " + std::to_string(Kb) + " mix " +
+                                      std::to_string(mix),
+                                  a, pat::KeyLists{bi, at::Tensor()}, Lk, 64);
+      SCOPED_TRACE(c.name);
+      expect_cuda_bf16_close(c, 5e-3);
+    }
+  hax::ops::set_check_device_values(true);  // the rows merge_overflow_rows leaves out are then -1
+  const pat::KeyLists a{random_lists(1, 2, 97, 32, 97), at::Tensor()}, b{random_lists(1, 2, 97, 32, 97), at::Tensor()};
+  expect_cuda_bf16_close(union_case("checked values", a, b, 97, 32), 5e-3);
+  hax::ops::set_check_device_values(false);
+}
+
+// A small instance of the union path (the plan of two lists, blocks that fit and blocks that
+// overflow, the merge of the overflowing rows), quick enough for compute-sanitizer.
+TEST(TileBlocksCuda, UnionSmallInstance) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(104);
+  const int64_t B = 1, H = 1, L = 130, Lk = 600;
+  const at::Tensor wide = random_lists(B, H, L, 32, Lk);
+  const pat::KeyLists a{random_lists(B, H, L, 32, 100), at::Tensor()};
+  const pat::KeyLists b{at::cat({random_lists(B, H, 64, 32, 100), wide.narrow(2, 64, L - 64)}, 2), at::Tensor()};
+  expect_cuda_bf16_close(union_case("small union", a, b, Lk, 64), 5e-3);
 }
 
 TEST(TileBlocksCuda, SmallInstances) {

@@ -206,6 +206,16 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     auto [o2, lse2] = ops::sparse_attention(q, k, vh, rest.idx, {}, {}, {}, 1.0);
     return ops::join_by_lse(o1, lse1, o2, lse2);
   }
+  // GPU, two parts (HAX): the tile plan is built from both lists at once, and only the queries of
+  // the blocks whose union overflows get merged lists (for the per-query kernels).
+  if (vh.is_cuda() && parts.size() == 2 && !(ctx && ctx->record) &&
+      ops::sparse_attention_union_native(q, vh, parts[0].idx.size(3), parts[1].idx.size(3))) {
+    const patterns::KeyLists &a = parts[0], &b = parts[1];
+    RECORD_USER_SCOPE("hax::sparse_attention");
+    const auto merge_overflow = [&](const at::Tensor& count) { return patterns::merge_overflow_rows(a, b, count); };
+    return std::get<0>(ops::sparse_attention_union(q, k, vh, a.idx, b.idx, a.q_order.defined() ? a.q_order : b.q_order,
+                                                   1.0, merge_overflow));
+  }
   patterns::KeyLists lists = [&] {
     RECORD_USER_SCOPE("hax::merge_lists");
     return merge_parts(parts);

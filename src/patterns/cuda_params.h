@@ -192,6 +192,13 @@ struct MergeListsParams {
   const int32_t* a = nullptr;  // (rows, Ka) ascending, -1 after the last key
   const int32_t* b = nullptr;  // (rows, Kb)
   int32_t* out = nullptr;      // out (rows, Ka + Kb)
+  // Optional (Ka, Kb <= 32 only): merge only the rows of the query blocks whose count is negative
+  // (the sparse attention tile plan's blocks that overflow). Rows are then taken by rank: rank t
+  // of (b, h) is row bh·L + q_order[bh·L + t] (t if q_order is null), in block t / block; the
+  // other rows are not written.
+  const int32_t* block_count = nullptr;  // (B·H, ceil(L / block))
+  const int32_t* q_order = nullptr;      // (B·H, L) or null
+  int64_t L = 0, block = 0;
 };
 void merge_lists_cuda(const MergeListsParams& p, void* stream);
 

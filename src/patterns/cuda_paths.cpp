@@ -260,6 +260,26 @@ at::Tensor merge_device(const at::Tensor& a0, const at::Tensor& b0) {
   return out;
 }
 
+at::Tensor merge_overflow_device(const at::Tensor& a0, const at::Tensor& b0, const at::Tensor& q_order0,
+                                 const at::Tensor& block_count0) {
+  const at::Tensor a = a0.contiguous(), b = b0.to(a0.device()).contiguous();
+  const int64_t B = a.size(0), H = a.size(1), L = a.size(2), Ka = a.size(3), Kb = b.size(3);
+  if (Ka > 32 || Kb > 32) return merge_device(a, b);  // (only the small kernel skips rows)
+  const at::Tensor q_order = q_order0.defined() ? q_order0.contiguous() : q_order0;
+  const at::Tensor block_count = block_count0.contiguous();
+  // Rows left out are read by nothing but the op's value check, which needs them valid.
+  at::Tensor out = ops::check_device_values() ? at::full({B, H, L, Ka + Kb}, -1, int32_on(a.device()))
+                                              : at::empty({B, H, L, Ka + Kb}, int32_on(a.device()));
+  MergeListsParams p;
+  p.rows = B * H * L, p.Ka = Ka, p.Kb = Kb;
+  p.a = a.data_ptr<int32_t>(), p.b = b.data_ptr<int32_t>(), p.out = out.data_ptr<int32_t>();
+  p.block_count = block_count.data_ptr<int32_t>();
+  p.q_order = q_order.defined() ? q_order.data_ptr<int32_t>() : nullptr;
+  p.L = L, p.block = ops::kAttentionTileQueries;
+  merge_lists_cuda(p, stream_of(out));
+  return out;
+}
+
 ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq, const at::Device& device) {
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(device);
   if (B * L == 0)
@@ -368,6 +388,9 @@ ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor&, int64_t, const at:
   no_kernels();
 }
 at::Tensor merge_device(const at::Tensor&, const at::Tensor&) { no_kernels(); }
+at::Tensor merge_overflow_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_kernels();
+}
 ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, const at::Device&) { no_kernels(); }
 at::Tensor top_k_chunks_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_kernels();

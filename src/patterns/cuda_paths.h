@@ -53,6 +53,9 @@ ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores, int64_t k, 
 
 // merge's lists: the union of a (B, H, L, Ka) and b (B, H, L, Kb) int32, on a's device.
 at::Tensor merge_device(const at::Tensor& a, const at::Tensor& b);
+// merge_overflow_rows's lists on a's device (q_order (B, H, L) or undefined, block_count (B, H, nblk)).
+at::Tensor merge_overflow_device(const at::Tensor& a, const at::Tensor& b, const at::Tensor& q_order,
+                                 const at::Tensor& block_count);
 
 // chunk_layout on `device`.
 ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq, const at::Device& device);

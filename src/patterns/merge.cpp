@@ -29,6 +29,21 @@ void check_pair(const char* op, const KeyLists& a, const KeyLists& b) {
 
 }  // namespace
 
+at::Tensor merge_overflow_rows(const KeyLists& a, const KeyLists& b, const at::Tensor& block_count) {
+  constexpr const char* kOp = "merge_overflow_rows";
+  check_pair(kOp, a, b);
+  HAX_CHECK(a.idx.is_cuda(), "{}: a.idx is on {}; the rows of overflowing tile blocks exist on CUDA only", kOp,
+            a.idx.device().str());
+  ops::check_backend(kOp, "a.idx", a.idx);
+  const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2);
+  HAX_CHECK(block_count.scalar_type() == at::kInt && block_count.device() == a.idx.device(),
+            "{}: block_count must be int32 on {} (got {} on {})", kOp, a.idx.device().str(),
+            c10::toString(block_count.scalar_type()), block_count.device().str());
+  ops::check_shape(kOp, "block_count", block_count, {B, H, ops::attention_tile_blocks(L)}, "(B, H, ceil(L / 64))");
+  const at::Tensor& q_order = a.q_order.defined() ? a.q_order : b.q_order;
+  return detail::merge_overflow_device(a.idx, b.idx, q_order, block_count);
+}
+
 KeyLists merge(const KeyLists& a, const KeyLists& b) {
   constexpr const char* kOp = "merge";
   check_pair(kOp, a, b);

@@ -101,6 +101,13 @@ ops::TileBlocks top_k_prefix_blocks(const at::Tensor& scores, int64_t k, const a
 // slots. q_order is a's if defined, else b's.
 KeyLists merge(const KeyLists& a, const KeyLists& b);
 
+// merge(a, b).idx where the CUDA tile path's per-query kernels read it, for
+// ops::sparse_attention_union: the rows of the queries in the blocks (ops::kAttentionTileQueries
+// consecutive queries in merge's q_order) whose count in block_count (B, H, nblk) int32 is
+// negative. The other rows are -1 while ops::check_device_values() is on (the op then checks every
+// entry) and not written otherwise. CUDA only; with Ka or Kb above 32, every row is merged.
+at::Tensor merge_overflow_rows(const KeyLists& a, const KeyLists& b, const at::Tensor& block_count);
+
 // The keys of a's lists that are not in b's, for each query (ascending, -1 padded, Ka slots);
 // q_order is a's. With merge: merge(a, b) lists what b and exclude(a, b) list together, and the
 // two have no key in common.

@@ -13,6 +13,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <tuple>
 
 #include "ops/attention/params.h"
@@ -39,6 +40,22 @@ CpuUnionShape sparse_attention_cpu_unions(const AttentionParams& p);
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& idx, const at::Tensor& bias,
                                                     const at::Tensor& seg_w, const at::Tensor& q_order, double scale);
+
+// sparse_attention (one segment, no bias or weights) over the union of two lists per query, on the
+// CUDA tile path without merging the lists first: idx_a (B, H, L, Ka) and idx_b (B, H, L, Kb)
+// int32, each without repeats (a key in both counts once), -1 padded; q_order as for
+// sparse_attention. The tile plan is built from both lists at once. Its blocks whose union
+// overflows go to the per-query kernels, which need merged lists: merge_overflow(count), with
+// count (B, H, ceil(L / 64)) the plan's block counts, must return (B, H, L, Ka + Kb) int32 lists
+// holding the union (ascending, -1 padded) at least for the queries of the blocks whose count is
+// -1 (patterns::merge_overflow_rows). Needs sparse_attention_union_native(q, v, Ka, Kb) (checked).
+// Differentiable in q, k and v; returns what sparse_attention returns on the merged lists.
+using MergeOverflow = std::function<at::Tensor(const at::Tensor& count)>;
+bool sparse_attention_union_native(const at::Tensor& q, const at::Tensor& v, int64_t Ka, int64_t Kb);
+std::tuple<at::Tensor, at::Tensor> sparse_attention_union(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const at::Tensor& idx_a,
+                                                          const at::Tensor& idx_b, const at::Tensor& q_order,
+                                                          double scale, const MergeOverflow& merge_overflow);
 
 // Attention over the union of two disjoint key sets from the attention over each: with (o_s, lse_s)
 // the output and log-sum-exp of set s, softmax over the union = Σ_s exp(lse_s - lse) softmax over

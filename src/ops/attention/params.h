@@ -45,6 +45,11 @@ struct AttentionParams {
   // CUDA only: when set, the blocks of kAttentionTileQueries queries (in q_order) whose plan
   // entry is >= 0 are computed by the tile kernels, and the per-query kernels skip their queries.
   const int32_t* tile_count = nullptr;  // (B*H, ceil(L / kAttentionTileQueries)), see AttentionTilePlan
+  // CUDA tile plan only: a second list per query whose keys join idx's (the plan of the union of
+  // two lists; keys in both count once), (B, H, L, maxkeys_b), or null. Needs maxkeys + maxkeys_b
+  // <= kAttentionPlanMaxStagedKeys.
+  const int32_t* idx_b = nullptr;
+  int64_t maxkeys_b = 0;
 };
 
 // Raw-pointer parameters of the backward. On the CPU every gradient has the input dtype. On CUDA,
@@ -90,12 +95,16 @@ constexpr int64_t kAttentionTileQueries = 64;
 constexpr int64_t kAttentionTileKeys = 64;
 constexpr int64_t kAttentionTileMaxKeys = 512;
 constexpr int64_t kAttentionTilesPerBlock = kAttentionTileMaxKeys / kAttentionTileKeys;
+// Keys a query up to which the plan kernel stages a block's lists in shared memory (the plan of
+// two lists, AttentionParams::idx_b, is staged only).
+constexpr int64_t kAttentionPlanMaxStagedKeys = 384;
 
 // The plan of every query block, built on the device from idx and q_order (tile_plan.cu).
 struct AttentionTilePlan {
   int32_t* count = nullptr;  // (B*H, nblk) size of the block's key union, or -1 if it exceeds
                              // kAttentionTileMaxKeys (the per-query kernels take the block)
-  int32_t* keys = nullptr;   // (B*H, nblk, kAttentionTileMaxKeys) the union ascending, -1 padded
+  int32_t* keys = nullptr;   // (B*H, nblk, kAttentionTileMaxKeys) the union (ascending if built
+                             // sorted, see sparse_attention_tile_plan_cuda), -1 padded
   uint64_t* mask = nullptr;  // (B*H, nblk, kAttentionTilesPerBlock, kAttentionTileQueries): bit c of
                              // mask[..., t, r] = query r of the block lists key keys[t*64 + c]
 };
@@ -108,8 +117,12 @@ inline bool attention_tiles_apply(const AttentionParams& p, DType dtype, bool de
          p.path != AttentionPath::kPerQuery && p.dim <= 128 && p.vdim <= 128 && p.maxkeys > 0;
 }
 
-// Builds the plan (needs p.idx, p.q_order and the sizes).
-void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream);
+// Builds the plan (needs p.idx, p.q_order and the sizes). sorted: the union ascending (the
+// documented form of TileBlocks); otherwise in the kernel's hash-slot order, which skips the
+// sort: the attention's result is the same up to the order of its float sums, which may then
+// differ between runs when keys collide in the hash set (the tile path is not the deterministic mode).
+void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream,
+                                     bool sorted = true);
 // Forward of the planned blocks (bfloat16): out and lse of their queries.
 void sparse_attention_tile_forward_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream);
 // Backward of the planned blocks: dq (bfloat16) of their queries, and their contributions to the

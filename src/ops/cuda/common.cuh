@@ -45,10 +45,12 @@ inline void check_launch(const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
 }
 
-// Raises the dynamic shared memory limit of `kernel` (needed above 48 KiB), or throws naming `what`.
+// Raises the dynamic shared memory limit of `kernel` to `bytes`, or throws naming `what`. Needed
+// when the dynamic bytes plus the kernel's static shared memory (static_bytes, or a bound on it)
+// pass 48 KiB: the default limit of the dynamic part is 48 KiB less the static part.
 template <class K>
-inline void allow_smem(K kernel, size_t bytes, const char* what) {
-  if (bytes <= 48 * 1024) return;
+inline void allow_smem(K kernel, size_t bytes, const char* what, size_t static_bytes = 0) {
+  if (bytes + static_bytes <= 48 * 1024) return;  // the default limit holds static and dynamic together
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // clear it, so that later launches and copies do not report it

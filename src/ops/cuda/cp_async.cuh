@@ -47,6 +47,12 @@ __device__ __forceinline__ void async_rows(__nv_bfloat16* dst, const __nv_bfloat
   }
 }
 
+// Row-major layout of row stride S (TileCopy's default; mma_bf16.cuh's Padded<S> is the same).
+template <int S>
+struct RowStride {
+  static __device__ __forceinline__ __nv_bfloat16* at(__nv_bfloat16* X, int row, int col) { return X + row * S + col; }
+};
+
 // A (NROWS, NCOLS) bfloat16 tile copied by THREADS threads with the tile's shape known at compile
 // time: each thread copies one fixed 16-byte column chunk, col(), of the rows row(k), k < kPer, so
 // addresses are computed once and the copies are issued without a loop (about 5 instructions
@@ -58,17 +64,24 @@ struct TileCopy {
   static __device__ __forceinline__ int row(int k) { return (int)(threadIdx.x / kChunks) + k * kRowStep; }
   static __device__ __forceinline__ int col() { return (int)(threadIdx.x % kChunks) * 8; }
 
-  // dst (row stride S) rows row(k) = src rows pos[k] (pos < 0: zeros), columns < nvalid.
-  template <int S>
-  static __device__ __forceinline__ void gather(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride,
-                                                const int32_t (&pos)[kPer], int nvalid) {
+  // dst rows row(k) = src rows pos[k] (pos < 0: zeros), columns < nvalid; dst laid out by Lay
+  // (Lay::at(dst, row, col) for col a multiple of 8, as mma_bf16.cuh's layouts).
+  template <class Lay>
+  static __device__ __forceinline__ void gather_to(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride,
+                                                   const int32_t (&pos)[kPer], int nvalid) {
     const int c = col();
     const bool col_ok = c < nvalid;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const bool ok = col_ok && pos[k] >= 0;
-      cp_async16(dst + row(k) * S + c, ok ? src + (int64_t)pos[k] * stride + c : src, ok);
+      cp_async16(Lay::at(dst, row(k), c), ok ? src + (int64_t)pos[k] * stride + c : src, ok);
     }
+  }
+  // The same into a row-major tile of row stride S.
+  template <int S>
+  static __device__ __forceinline__ void gather(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride,
+                                                const int32_t (&pos)[kPer], int nvalid) {
+    gather_to<RowStride<S>>(dst, src, stride, pos, nvalid);
   }
 
   // dst rows r = src rows row0 + r (zeros from row L on), columns < nvalid.

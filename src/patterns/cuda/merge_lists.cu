@@ -92,8 +92,20 @@ __global__ void merge_warp_kernel(MergeListsParams p) {
   }
 }
 
+// The row that rank r stands for, or -1 (not to merge): r itself without p.block_count, else
+// (block_count set) the row of rank r's query if its block's count is negative.
+__device__ __forceinline__ int64_t merge_row_of(const MergeListsParams& p, int64_t r) {
+  if (r >= p.rows) return -1;
+  if (!p.block_count) return r;
+  const int64_t bh = r / p.L, t = r - bh * p.L, nblk = (p.L + p.block - 1) / p.block;
+  if (p.block_count[bh * nblk + t / p.block] >= 0) return -1;
+  const int64_t i = p.q_order ? p.q_order[r] : t;
+  return i >= 0 && i < p.L ? bh * p.L + i : -1;
+}
+
 // merge_warp_kernel for Ka, Kb <= 32: lane t holds a[t] and b[t] in registers, and the next
-// row's entries load while this row merges (the lengths by ballots on the registers).
+// row's entries load while this row merges (the lengths by ballots on the registers). With
+// p.block_count, only the overflowing blocks' rows (merge_row_of).
 __global__ void merge_small_kernel(MergeListsParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int Ka = (int)p.Ka, Kb = (int)p.Kb, K = Ka + Kb;
@@ -103,13 +115,16 @@ __global__ void merge_small_kernel(MergeListsParams p) {
   int32_t* tm = tb + Kb;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
   int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + warp;
-  int32_t xa = r < p.rows && lane < Ka ? p.a[r * Ka + lane] : -1;
-  int32_t xb = r < p.rows && lane < Kb ? p.b[r * Kb + lane] : -1;
+  int64_t row = merge_row_of(p, r);
+  int32_t xa = row >= 0 && lane < Ka ? p.a[row * Ka + lane] : -1;
+  int32_t xb = row >= 0 && lane < Kb ? p.b[row * Kb + lane] : -1;
   for (; r < p.rows; r += warps) {
     const int32_t ca = xa, cb = xb;
-    const int64_t rn = r + warps;  // the next row's entries, in flight during this one
-    xa = rn < p.rows && lane < Ka ? p.a[rn * Ka + lane] : -1;
-    xb = rn < p.rows && lane < Kb ? p.b[rn * Kb + lane] : -1;
+    const int64_t cur = row;
+    row = merge_row_of(p, r + warps);  // the next row's entries, in flight during this one
+    xa = row >= 0 && lane < Ka ? p.a[row * Ka + lane] : -1;
+    xb = row >= 0 && lane < Kb ? p.b[row * Kb + lane] : -1;
+    if (cur < 0) continue;  // (warp-uniform)
     const unsigned neg_a = __ballot_sync(dev::kFullMask, ca < 0), neg_b = __ballot_sync(dev::kFullMask, cb < 0);
     const int na = neg_a ? __ffs(neg_a) - 1 : 32, nb = neg_b ? __ffs(neg_b) - 1 : 32, n = na + nb;
     if (lane < Ka) ta[lane] = ca;
@@ -118,7 +133,7 @@ __global__ void merge_small_kernel(MergeListsParams p) {
     if (lane < na) tm[lane + count_below(tb, nb, ca, false)] = ca;
     if (lane < nb) tm[lane + count_below(ta, na, cb, true)] = cb;
     __syncwarp();
-    int32_t* dst = p.out + r * K;
+    int32_t* dst = p.out + cur * K;
     int filled = 0;
     for (int t0 = 0; t0 < n; t0 += 32) {
       const int t = t0 + lane;
@@ -140,6 +155,8 @@ void merge_lists_cuda(const MergeListsParams& p, void* stream) {
   if (p.rows == 0 || K == 0) return;
   cudaStream_t st = (cudaStream_t)stream;
   const int64_t warp_bytes = 2 * K * 4;
+  if (p.block_count && (p.Ka > 32 || p.Kb > 32 || p.L <= 0 || p.block <= 0))
+    throw std::runtime_error("merge: the merge of the overflowing blocks' rows needs Ka, Kb <= 32, L and block > 0");
   if (p.Ka <= 32 && p.Kb <= 32) {
     merge_small_kernel<<<dev::grid_for(p.rows, 4 * kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);
   } else if (kMergeWarps * warp_bytes <= kMergeBytes) {

@@ -1,6 +1,6 @@
 // The plan of the sparse attention tile path (params.h, AttentionTilePlan): for every block of
-// kAttentionTileQueries consecutive queries in q_order, the union of their key lists, ascending,
-// and one bit per (query, union key) saying whether the query lists that key.
+// kAttentionTileQueries consecutive queries in q_order, the union of their key lists (ascending
+// when `sorted`), and one bit per (query, union key) saying whether the query lists that key.
 //
 // One CTA of 8 warps per (b, h, block); warp w takes the block's queries w, w + 8, ...:
 //   0. with at most kMaxStagedKeys keys per list, the block's lists are first copied into shared
@@ -12,16 +12,23 @@
 //      once the count passes kAttentionTileMaxKeys (the block overflows: count -1, and the
 //      per-query kernels take it). A warp inserts at most 32 keys after its last check, so the
 //      set never holds more than 512 + 8·32 < 1024 keys and every probe sequence ends;
-//   2. the keys are gathered into an array and sorted (bitonic over the next power of two >= 64
-//      of their count, two per thread);
-//   3. each key's hash slot gets its rank in the sorted union; each warp looks up the ranks of its
-//      query's keys in the hash set (a probe or two, where a binary search over the union took 9
-//      dependent steps: the kernel is bound by its instruction count) and ORs the bits of each
-//      64-key tile across the warp (__reduce_or_sync): no atomics, one store per (query, tile).
-// The result does not depend on the order of the atomics: the union is sorted and the masks are
-// ORs of fixed bits.
+//   2. sorted: the keys are gathered into an array and sorted (bitonic over the next power of two
+//      >= 64 of their count, two per thread), and each key's hash slot gets its rank in the sorted
+//      union; not sorted (the attention's own plan): the union is the occupied slots in slot
+//      order, each slot's rank an exclusive scan over the slots (no sort, no probes: the sort and
+//      the rank probes were a quarter of the kernel's time);
+//   3. each warp looks up the ranks of its query's keys in the hash set (a probe or two, where a
+//      binary search over the union took 9 dependent steps: the kernel is bound by its instruction
+//      count) and ORs the bits of each 64-key tile across the warp (__reduce_or_sync): no atomics,
+//      one store per (query, tile).
+// Sorted, the result does not depend on the order of the atomics: the union is sorted and the
+// masks are ORs of fixed bits. Not sorted, keys whose probe sequences collide may take their slots
+// in either order, so the union's order (not its content) can differ between runs.
 #include <climits>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "ops/attention/params.h"
 #include "ops/cuda/common.cuh"
@@ -38,24 +45,28 @@ constexpr int kHash = 1024;  // hash slots: a power of two above kU + 32 kWarps
 static_assert(kU == 2 * kThreads, "the bitonic sort gives two keys to each thread");
 static_assert(kHash >= kU + 32 * kWarps, "the hash set must hold every key inserted before a warp sees the overflow");
 
-constexpr int kMaxStagedKeys = 384;  // K up to which the lists are staged (96 KB of shared memory)
+// A bound on the kernel's static shared memory (table, keys, rank, qpos and a few ints), which
+// counts with the staged lists against the default 48 KB (cuda::allow_smem).
+constexpr size_t kStaticSmem = 4 * (kHash + kU) + 2 * kHash + 8 * kQ + 256;
+constexpr int kMaxStagedKeys = (int)kAttentionPlanMaxStagedKeys;  // K up to which the lists are staged (96 KB)
 
 // Slot of a key: the top 10 bits of a multiplicative hash.
 __device__ __forceinline__ int hash_slot(int32_t key) { return (int)(((uint32_t)key * 2654435761u) >> 22); }
 
-template <bool kStaged>
+template <bool kStaged, bool kSorted>
 __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, AttentionTilePlan plan, int64_t nblk) {
-  __shared__ int32_t table[kHash];
+  __shared__ __align__(16) int32_t table[kHash];
   __shared__ int32_t keys[kU];
   __shared__ int16_t rank[kHash];  // rank[h]: the position of table[h] in the sorted union
   __shared__ int64_t qpos[kQ];  // the block's query positions (-1: no list)
   __shared__ int count, filled;
-  extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists
-  const int64_t bh = blockIdx.x / nblk, blk = blockIdx.x % nblk, L = p.seqlen, K = p.maxkeys;
+  extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists (with idx_b: a's, then b's)
+  const int64_t bh = blockIdx.x / nblk, blk = blockIdx.x % nblk, L = p.seqlen;
+  const int64_t Ka = p.maxkeys, Kb = p.idx_b ? p.maxkeys_b : 0, K = Ka + Kb;  // (idx_b: staged only)
   const int64_t r0 = blk * kQ;
   const int nq = (int)(L - r0 < kQ ? L - r0 : kQ), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t* order = p.q_order ? p.q_order + bh * L : nullptr;
-  const int32_t* idx = p.idx + bh * L * K;  // one segment: (L, K) per (b, h)
+  const int32_t* idx = p.idx + bh * L * Ka;  // one segment: (L, Ka) per (b, h)
   int32_t* staged = reinterpret_cast<int32_t*>(staged_u4);
   for (int r = threadIdx.x; r < nq; r += kThreads) {
     const int64_t i = order ? order[r0 + r] : r0 + r;
@@ -63,28 +74,34 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   }
   __syncthreads();
   if constexpr (kStaged) {
-    const int k = (int)K;
-    if (k % 4 == 0 && reinterpret_cast<uintptr_t>(p.idx) % 16 == 0) {
-      const int per = k / 4;
+    // Rows of `src` (n entries a row) into columns off .. off + n of the staged rows (K wide).
+    auto stage = [&](const int32_t* src, int n, int off) {
+      const int k = (int)K;
+      if (n % 4 == 0 && k % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+        const int per = n / 4;
 #pragma unroll 4
-      for (int x = threadIdx.x; x < nq * per; x += kThreads) {
-        const int r = x / per, c = x - r * per;
-        const int64_t i = qpos[r];
-        staged_u4[x] = i >= 0 ? *reinterpret_cast<const int4*>(idx + i * K + 4 * c) : make_int4(-1, -1, -1, -1);
-      }
-    } else {
+        for (int x = threadIdx.x; x < nq * per; x += kThreads) {
+          const int r = x / per, c = x - r * per;
+          const int64_t i = qpos[r];
+          staged_u4[(r * k + off) / 4 + c] =
+              i >= 0 ? *reinterpret_cast<const int4*>(src + i * n + 4 * c) : make_int4(-1, -1, -1, -1);
+        }
+      } else {
 #pragma unroll 4
-      for (int x = threadIdx.x; x < nq * k; x += kThreads) {
-        const int r = x / k;
-        const int64_t i = qpos[r];
-        staged[x] = i >= 0 ? idx[i * K + (x - r * k)] : -1;
+        for (int x = threadIdx.x; x < nq * n; x += kThreads) {
+          const int r = x / n;
+          const int64_t i = qpos[r];
+          staged[r * k + off + (x - r * n)] = i >= 0 ? src[i * n + (x - r * n)] : -1;
+        }
       }
-    }
+    };
+    stage(idx, (int)Ka, 0);
+    if (Kb > 0) stage(p.idx_b + bh * L * Kb, (int)Kb, (int)Ka);
   }
   auto list_of = [&](int r) -> const int32_t* {  // the list of the block's query r (rank r0 + r in q_order)
     if (kStaged) return staged + (int64_t)r * K;
     const int64_t i = qpos[r];
-    return i >= 0 ? idx + i * K : nullptr;
+    return i >= 0 ? idx + i * Ka : nullptr;  // (no idx_b here: K = Ka)
   };
   for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1;
   if (threadIdx.x == 0) count = 0, filled = 0;
@@ -117,6 +134,29 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     return;
   }
 
+  if constexpr (!kSorted) {
+    // The union in hash-slot order (not ascending; see above): a block-wide exclusive scan of
+    // the occupied slots, thread x owning slots 4x .. 4x + 3, gives each key its rank directly.
+    static_assert(kHash == 4 * kThreads, "four hash slots a thread");
+    __shared__ int warp_sum[kWarps];
+    const int4 slots = reinterpret_cast<const int4*>(table)[threadIdx.x];
+    const int mine = (slots.x >= 0) + (slots.y >= 0) + (slots.z >= 0) + (slots.w >= 0);
+    int incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sum[warp] = incl;
+    __syncthreads();
+    int at = incl - mine;
+    for (int w = 0; w < warp; ++w) at += warp_sum[w];
+    const int32_t sk[4] = {slots.x, slots.y, slots.z, slots.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (sk[e] >= 0) keys[at] = sk[e], rank[4 * threadIdx.x + e] = (int16_t)at, ++at;
+    __syncthreads();
+  } else {
   for (int i = threadIdx.x; i < kHash; i += kThreads)
     if (table[i] >= 0) keys[atomicAdd(&filled, 1)] = table[i];
   __syncthreads();
@@ -142,6 +182,7 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     rank[h] = (int16_t)i;
   }
   __syncthreads();
+  }
 
   unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
   const int ntiles = (u + 63) / 64;
@@ -174,18 +215,30 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
 
 }  // namespace
 
-void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream) {
+void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream,
+                                     bool sorted) {
   const int64_t nblk = attention_tile_blocks(p.seqlen), grid = p.batch * p.nheads * nblk;
   if (grid == 0) return;
   if (p.nseg != 1) throw std::runtime_error("sparse_attention tile plan: needs one segment per query");
+  const int64_t K = p.maxkeys + (p.idx_b ? p.maxkeys_b : 0);
+  if (p.idx_b && K > kMaxStagedKeys)
+    throw std::runtime_error("sparse_attention tile plan: two lists of " + std::to_string(p.maxkeys) + " + " +
+                             std::to_string(p.maxkeys_b) + " keys exceed the " + std::to_string(kMaxStagedKeys) +
+                             " a query the union's plan stages");
   const auto s = (cudaStream_t)stream;
-  if (p.maxkeys <= kMaxStagedKeys) {
-    const size_t smem = sizeof(int32_t) * kQ * (size_t)p.maxkeys;
-    cuda::allow_smem(tile_plan_kernel<true>, smem, "sparse_attention tile plan");
-    tile_plan_kernel<true><<<(unsigned)grid, kThreads, smem, s>>>(p, plan, nblk);
-  } else {
-    tile_plan_kernel<false><<<(unsigned)grid, kThreads, 0, s>>>(p, plan, nblk);
-  }
+  auto launch = [&](auto staged, auto sort) {
+    constexpr bool kStaged = decltype(staged)::value, kSorted = decltype(sort)::value;
+    const size_t smem = kStaged ? sizeof(int32_t) * kQ * (size_t)K : 0;
+    if (kStaged) cuda::allow_smem(tile_plan_kernel<kStaged, kSorted>, smem, "sparse_attention tile plan", kStaticSmem);
+    tile_plan_kernel<kStaged, kSorted><<<(unsigned)grid, kThreads, smem, s>>>(p, plan, nblk);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  const bool staged = K <= kMaxStagedKeys;
+  if (staged && sorted) launch(T{}, T{});
+  else if (staged) launch(T{}, F{});
+  else if (sorted) launch(F{}, T{});
+  else launch(F{}, F{});
   cuda::check_launch("sparse_attention tile plan");
 }
 

@@ -33,6 +33,8 @@ constexpr int kTK = (int)kAttentionTileKeys;
 constexpr int kU = (int)kAttentionTileMaxKeys;
 constexpr int kTiles = (int)kAttentionTilesPerBlock;
 constexpr int NT = kTK / 8;  // 8-column mma tiles across a key (or query) tile
+constexpr size_t kStaticSmem = 4096;  // a bound on the kernels' static shared memory (BlockShared and
+                                      // the per-query arrays, under 3 KB), for cuda::allow_smem
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -169,7 +171,12 @@ __device__ __forceinline__ void wait_block_q_do(int ntiles) {
 
 template <int DB, bool kAsync>
 struct Cfg {
-  static constexpr int S = DB + 8;  // shared row stride (bfloat16 entries)
+  // Head dim 64 on the cp.async path: tiles of 128-byte rows in the 128-byte swizzle (no padding:
+  // the backward's 48 KB of tiles, where the padded 55 KB left room for 3 blocks an SM, fit 4).
+  // Otherwise rows padded by 8 entries.
+  static constexpr bool kSwizzle = kAsync && DB == 64;
+  static constexpr int S = kSwizzle ? DB : DB + 8;  // shared row stride (bfloat16 entries)
+  using Lay = std::conditional_t<kSwizzle, Swizzle128, Padded<S>>;
   static constexpr int DT = DB / 8;
   static constexpr int NB = kAsync ? 2 : 1;  // key-tile buffers
   static constexpr size_t fwd_smem = sizeof(bf16) * (kQ + 2 * NB * kTK) * S;      // sQ, sK[NB], sV[NB]
@@ -184,13 +191,16 @@ struct BlockShared {
   float bias2[2][kTK];
   unsigned long long mask[2][kQ];
 };
+static_assert(sizeof(BlockShared) + 2 * kQ * sizeof(float) <= kStaticSmem, "kStaticSmem must bound the static shared memory");
 
 // The block's key tiles one after the other, in shared memory. kAsync (16-byte rows): the next
 // tile's rows are copied with cp.async into the other buffer while the current one is computed
 // on; otherwise each tile is loaded, then computed on. Use:
 //   ts.start(); for (tt...) { const int b = ts.begin(tt); ...K(b), V(b), bs.keys[b]...; ts.end(); }
-template <int S, bool kAsync>
+template <int DB, bool kAsync>
 struct TileStream {
+  static constexpr int S = Cfg<DB, kAsync>::S;
+  using Lay = typename Cfg<DB, kAsync>::Lay;
   bf16* sK;                  // (NB, kTK, S)
   bf16* sV;                  // (NB, kTK, S)
   BlockShared& bs;
@@ -200,7 +210,7 @@ struct TileStream {
   const bf16* v;             // (Lk, sv)
   const bf16* bias;          // (Lk) or null
   int64_t sqk, sv;
-  int D, Dv, DB, ntiles;
+  int D, Dv, ntiles;
   bool vec_qk, vec_v, with_mask;
 
   __device__ bf16* K(int b) const { return sK + b * kTK * S; }
@@ -209,7 +219,7 @@ struct TileStream {
   // kAsync: the positions of this thread's rows of the next tile to stage, loaded one stage ahead
   // (a tile's copies need them in registers; loaded one stage ahead, their latency is spent while
   // the current tile is computed on).
-  using Copy = cuda::TileCopy<kTK, S - 8, kThreads>;
+  using Copy = cuda::TileCopy<kTK, DB, kThreads>;
   int32_t next_pos[Copy::kPer] = {};
 
   // Tile tt's keys, biases and mask words into buffer b, and its rows. kAsync: keys, mask words
@@ -226,8 +236,8 @@ struct TileStream {
       for (int c = threadIdx.x; c < kTK; c += kThreads) cuda::cp_async4(&bs.keys[b][c], kt + c, true);
       if (with_mask)
         for (int c = threadIdx.x; c < kQ; c += kThreads) cuda::cp_async8(&bs.mask[b][c], mask + tt * kQ + c, true);
-      Copy::template gather<S>(K(b), k, sqk, pos, D);
-      Copy::template gather<S>(V(b), v, sv, pos, Dv);
+      Copy::template gather_to<Lay>(K(b), k, sqk, pos, D);
+      Copy::template gather_to<Lay>(V(b), v, sv, pos, Dv);
       for (int c = threadIdx.x; c < kTK; c += kThreads) {
         const int32_t j = bias ? kt[c] : -1;
         bs.bias2[b][c] = j >= 0 ? to_f32(bias[j]) * kLog2e : 0.f;
@@ -270,8 +280,9 @@ struct TileStream {
 };
 
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams p, AttentionTilePlan plan, Sizes z) {
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1) tile_forward_kernel(AttentionParams p, AttentionTilePlan plan, Sizes z) {
   using C = Cfg<DB, kAsync>;
+  using Lay = typename C::Lay;
   constexpr int S = C::S, DT = C::DT;
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;  // the per-query kernels take this block
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
     int32_t pos[Copy::kPer];
 #pragma unroll
     for (int e = 0; e < Copy::kPer; ++e) pos[e] = bs.rows[Copy::row(e)];
-    Copy::template gather<S>(sQ, q, sqk, pos, z.D);
+    Copy::template gather_to<Lay>(sQ, q, sqk, pos, z.D);
     cuda::cp_async_commit();
   } else {
     gather_rows<S>(sQ, q, sqk, bs.rows, kQ, z.D, DB, z.vec_qk);
@@ -306,8 +317,8 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
   float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int ntiles = (count + kTK - 1) / kTK;
   wait_block_q_do<kAsync>(ntiles);
-  TileStream<S, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
-                           p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB, ntiles,
+  TileStream<DB, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+                           p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, ntiles,
                            z.vec_qk, z.vec_v, false};
   ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
@@ -315,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
     const int buf = ts.begin(tt);
     const float* bias2 = bs.bias2[buf];
     float s[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf));
+    warp_dot<DB, NT, Lay>(s, sQ, r0, ts.K(buf));
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -326,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
         mx[r] = fmaxf(mx[r], s[nt][e]);
       }
     online_softmax_step<NT, DT>(s, mx, m, l, o);  // a query with no listed key yet keeps m = -inf
-    warp_accumulate<DB, NT, S>(o, s, ts.V(buf));
+    warp_accumulate<DB, NT, Lay>(o, s, ts.V(buf));
     ts.end();
   }
 
@@ -340,7 +351,7 @@ __global__ void __launch_bounds__(kThreads) tile_forward_kernel(AttentionParams 
   }
   bf16* out = (bf16*)p.out + ((int64_t)b * z.L * z.H + h) * z.Dv;
   // 16-byte stores through the warp's own rows of sQ (only this warp reads them).
-  if (kAsync && z.vec_v && ::hax::ops::cuda::aligned16(p.out)) store_rows_staged<DB, S>(sQ + r0 * S, out, sv, o, row, inv, z.L, z.Dv, t);
+  if (kAsync && z.vec_v && ::hax::ops::cuda::aligned16(p.out)) store_rows_staged<DB, Lay>(sQ + r0 * S, out, sv, o, row, inv, z.L, z.Dv, t);
   else store_rows<DB>(out, sv, o, row, inv, z.L, z.Dv, t);
   float* lse = (float*)p.lse + bh * z.L;
 #pragma unroll
@@ -365,8 +376,9 @@ __device__ __forceinline__ void load_block_q_do(bf16* sQ, bf16* sdO, BlockShared
     int32_t pos[Copy::kPer];
 #pragma unroll
     for (int e = 0; e < Copy::kPer; ++e) pos[e] = bs.rows[Copy::row(e)];
-    Copy::template gather<S>(sQ, q, (int64_t)z.H * z.D, pos, z.D);
-    Copy::template gather<S>(sdO, dout, (int64_t)z.H * z.Dv, pos, z.Dv);
+    using Lay = typename Cfg<DB, kAsync>::Lay;
+    Copy::template gather_to<Lay>(sQ, q, (int64_t)z.H * z.D, pos, z.D);
+    Copy::template gather_to<Lay>(sdO, dout, (int64_t)z.H * z.Dv, pos, z.Dv);
     cuda::cp_async_commit();
   } else {
     gather_rows<S>(sQ, q, (int64_t)z.H * z.D, bs.rows, kQ, z.D, DB, z.vec_qk);
@@ -408,10 +420,10 @@ struct GradBlock {
   }
 
   // The block's key tiles streamed into sK, sV (with the mask words when with_mask).
-  __device__ TileStream<S, kAsync> stream(BlockShared& bs, const AttentionGradParams& gp, const AttentionTilePlan& plan,
+  __device__ TileStream<DB, kAsync> stream(BlockShared& bs, const AttentionGradParams& gp, const AttentionTilePlan& plan,
                                           const Sizes& z, int ntiles, bool with_mask) const {
-    return TileStream<S, kAsync>{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
-                                 gp.fwd.bias ? (const bf16*)gp.fwd.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, DB,
+    return TileStream<DB, kAsync>{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+                                 gp.fwd.bias ? (const bf16*)gp.fwd.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv,
                                  ntiles, z.vec_qk, z.vec_v, with_mask};
   }
 };
@@ -422,6 +434,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
     tile_dq_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
   using C = Cfg<DB, kAsync>;
   constexpr int S = C::S, DT = C::DT;
+  using Lay = typename C::Lay;
   const AttentionParams& p = gp.fwd;
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;
@@ -452,15 +465,15 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
   float acc[DT][4] = {};
   const int ntiles = (count + kTK - 1) / kTK;
   wait_block_q_do<kAsync>(ntiles);
-  TileStream<S, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, false);
+  TileStream<DB, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, false);
   ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
     const unsigned long long bits[2] = {mask[tt * kQ + rr[0]], mask[tt * kQ + rr[1]]};
     const int buf = ts.begin(tt);
     const float* bias2 = bs.bias2[buf];
     float s[NT][4] = {}, dp[NT][4] = {};
-    warp_dot<DB, NT, S>(s, sQ, r0, ts.K(buf));
-    warp_dot<DB, NT, S>(dp, sdO, r0, ts.V(buf));
+    warp_dot<DB, NT, Lay>(s, sQ, r0, ts.K(buf));
+    warp_dot<DB, NT, Lay>(dp, sdO, r0, ts.V(buf));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -469,13 +482,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
         const float pr = (bits[r] >> c) & 1ull ? fast_exp2(s[nt][e] * z.scale2 + bias2[c] - lse2[r]) : 0.f;
         s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
       }
-    warp_accumulate<DB, NT, S>(acc, s, ts.K(buf));  // dQ += dS K
+    warp_accumulate<DB, NT, Lay>(acc, s, ts.K(buf));  // dQ += dS K
     ts.end();
   }
   const float scale[2] = {z.scale, z.scale};
   // 16-byte stores through the warp's own rows of sQ (only this warp reads them).
   if (kAsync && z.vec_qk && ::hax::ops::cuda::aligned16(gp.dq))
-    store_rows_staged<DB, S>(gb.sQ + r0 * S, (bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
+    store_rows_staged<DB, Lay>(gb.sQ + r0 * S, (bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
   else
     store_rows<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
 }
@@ -483,10 +496,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
 // dk, dv, dbias contributions of the block: per tile, keys as rows and the block's queries as
 // columns: S^T = K Q^T, dP^T = V dO^T, dV = P^T dO, dK = dS^T Q, dbias = row sums of dS^T.
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
     tile_dkdv_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
   using C = Cfg<DB, kAsync>;
-  constexpr int S = C::S, DT = C::DT;
+  constexpr int DT = C::DT;
+  using Lay = typename C::Lay;
   const AttentionParams& p = gp.fwd;
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;
@@ -512,7 +526,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const int ntiles = (count + kTK - 1) / kTK;
   wait_block_q_do<kAsync>(ntiles);
-  TileStream<S, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
+  TileStream<DB, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
   ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
     const int buf = ts.begin(tt);
@@ -520,8 +534,8 @@ __global__ void __launch_bounds__(kThreads)
     const float* bias2 = bs.bias2[buf];
     const int kr[2] = {r0 + g, r0 + g + 8};  // the thread's two key rows of the tile
     float st[NT][4] = {}, dpt[NT][4] = {}, db[2] = {0.f, 0.f};
-    warp_dot<DB, NT, S>(st, ts.K(buf), r0, sQ);
-    warp_dot<DB, NT, S>(dpt, ts.V(buf), r0, sdO);
+    warp_dot<DB, NT, Lay>(st, ts.K(buf), r0, sQ);
+    warp_dot<DB, NT, Lay>(dpt, ts.V(buf), r0, sdO);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -534,8 +548,8 @@ __global__ void __launch_bounds__(kThreads)
         db[r] += dpt[nt][e];
       }
     float dk[DT][4] = {}, dv[DT][4] = {};
-    warp_accumulate<DB, NT, S>(dv, st, sdO);  // dV = P^T dO
-    warp_accumulate<DB, NT, S>(dk, dpt, sQ);  // dK = dS^T Q
+    warp_accumulate<DB, NT, Lay>(dv, st, sdO);  // dV = P^T dO
+    warp_accumulate<DB, NT, Lay>(dk, dpt, sQ);  // dK = dS^T Q
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float dbr = sum4(db[r]);
@@ -575,7 +589,7 @@ void sparse_attention_tile_forward_cuda(const AttentionParams& p, const Attentio
     auto launch = [&](auto async) {
       constexpr bool kA = decltype(async)::value;
       constexpr size_t smem = Cfg<DB, kA>::fwd_smem;
-      cuda::allow_smem(tile_forward_kernel<DB, kA>, smem, "sparse_attention tile forward");
+      cuda::allow_smem(tile_forward_kernel<DB, kA>, smem, "sparse_attention tile forward", kStaticSmem);
       tile_forward_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(p, plan, z);
     };
     if (z.vec_qk && z.vec_v) launch(std::true_type{});
@@ -592,8 +606,8 @@ void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const At
     auto launch = [&](auto async) {
       constexpr bool kA = decltype(async)::value;
       constexpr size_t smem = Cfg<DB, kA>::bwd_smem;
-      cuda::allow_smem(tile_dq_kernel<DB, kA>, smem, "sparse_attention tile backward");
-      cuda::allow_smem(tile_dkdv_kernel<DB, kA>, smem, "sparse_attention tile backward");
+      cuda::allow_smem(tile_dq_kernel<DB, kA>, smem, "sparse_attention tile backward", kStaticSmem);
+      cuda::allow_smem(tile_dkdv_kernel<DB, kA>, smem, "sparse_attention tile backward", kStaticSmem);
       tile_dq_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
       tile_dkdv_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
     };
