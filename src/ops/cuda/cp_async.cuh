@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "ops/cuda/tile_layout.cuh"
+
 namespace hax::ops::cuda {
 
 // Copies 16 bytes from src to the shared address dst, or writes 16 zero bytes when !valid (src is
@@ -47,12 +49,6 @@ __device__ __forceinline__ void async_rows(__nv_bfloat16* dst, const __nv_bfloat
   }
 }
 
-// Row-major layout of row stride S (TileCopy's default; mma_bf16.cuh's Padded<S> is the same).
-template <int S>
-struct RowStride {
-  static __device__ __forceinline__ __nv_bfloat16* at(__nv_bfloat16* X, int row, int col) { return X + row * S + col; }
-};
-
 // A (NROWS, NCOLS) bfloat16 tile copied by THREADS threads with the tile's shape known at compile
 // time: each thread copies one fixed 16-byte column chunk, col(), of the rows row(k), k < kPer, so
 // addresses are computed once and the copies are issued without a loop (about 5 instructions
@@ -65,7 +61,7 @@ struct TileCopy {
   static __device__ __forceinline__ int col() { return (int)(threadIdx.x % kChunks) * 8; }
 
   // dst rows row(k) = src rows pos[k] (pos < 0: zeros), columns < nvalid; dst laid out by Lay
-  // (Lay::at(dst, row, col) for col a multiple of 8, as mma_bf16.cuh's layouts).
+  // (tile_layout.cuh).
   template <class Lay>
   static __device__ __forceinline__ void gather_to(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride,
                                                    const int32_t (&pos)[kPer], int nvalid) {
@@ -81,7 +77,7 @@ struct TileCopy {
   template <int S>
   static __device__ __forceinline__ void gather(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t stride,
                                                 const int32_t (&pos)[kPer], int nvalid) {
-    gather_to<RowStride<S>>(dst, src, stride, pos, nvalid);
+    gather_to<Padded<S>>(dst, src, stride, pos, nvalid);
   }
 
   // dst rows r = src rows row0 + r (zeros from row L on), columns < nvalid.

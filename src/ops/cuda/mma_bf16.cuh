@@ -3,8 +3,9 @@
 //
 // Operand tiles sit in shared memory row-major with a row stride S (bfloat16 entries; S = head
 // dim + 8: rows are 16-byte aligned and the 8 rows of an 8 x 8 matrix fall on 8 distinct 16-byte
-// bank groups), or in TMA's 128-byte swizzle (Swizzle128, below); the functions take the layout
-// as a type, and their overloads with an int S mean Padded<S>. Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
+// bank groups), or in TMA's 128-byte swizzle (Swizzle128; both layouts in tile_layout.cuh); the
+// functions take the layout as a type, and their overloads with an int S mean Padded<S>.
+// Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
 //   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B (16 x 8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
 //   C (16 x 8, float):      c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
@@ -18,6 +19,8 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+
+#include "ops/cuda/tile_layout.cuh"
 
 namespace hax::ops::cuda::mma {
 
@@ -65,22 +68,9 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Tile layouts in shared memory: where entry (row, col) of a tile X lives, for col a multiple of
-// 8 (a 16-byte chunk; the chunk's entries follow it).
-//   Padded<S>: row-major with row stride S (head dim + 8), see above.
-//   Swizzle128: rows of 64 entries (128 bytes) with chunk c of row r stored at chunk c ^ (r % 8),
-//     the layout TMA's 128-byte swizzle writes (the tile 1024-byte aligned); the 8 rows of an
-//     8 x 8 matrix again fall on 8 distinct 16-byte bank groups.
-template <int S>
-struct Padded {
-  static __device__ __forceinline__ const bf16* at(const bf16* X, int row, int col) { return X + row * S + col; }
-  static __device__ __forceinline__ bf16* at(bf16* X, int row, int col) { return X + row * S + col; }
-};
-struct Swizzle128 {
-  static __device__ __forceinline__ int off(int row, int col) { return row * 64 + ((((col >> 3) ^ row) & 7) << 3); }
-  static __device__ __forceinline__ const bf16* at(const bf16* X, int row, int col) { return X + off(row, col); }
-  static __device__ __forceinline__ bf16* at(bf16* X, int row, int col) { return X + off(row, col); }
-};
+// Tile layouts in shared memory (Padded<S>, Swizzle128): tile_layout.cuh.
+using cuda::Padded;
+using cuda::Swizzle128;
 
 // A fragment of rows r0..r0+15, columns k0..k0+15 of the tile X (layout Lay):
 // matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8).

@@ -157,31 +157,31 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       if (sk[e] >= 0) keys[at] = sk[e], rank[4 * threadIdx.x + e] = (int16_t)at, ++at;
     __syncthreads();
   } else {
-  for (int i = threadIdx.x; i < kHash; i += kThreads)
-    if (table[i] >= 0) keys[atomicAdd(&filled, 1)] = table[i];
-  __syncthreads();
-  int n2 = 64;  // the sort's length: a power of two >= u (the same in every thread)
-  while (n2 < u) n2 <<= 1;
-  for (int i = u + threadIdx.x; i < n2; i += kThreads) keys[i] = INT_MAX;  // padding sorts last
-  __syncthreads();
-  for (int size = 2; size <= n2; size <<= 1)
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      const int pr = threadIdx.x, i = 2 * stride * (pr / stride) + pr % stride, j = i + stride;
-      if (pr < n2 / 2) {
-        const bool ascending = (i & size) == 0;
-        const int32_t a = keys[i], b = keys[j];
-        if ((a > b) == ascending) keys[i] = b, keys[j] = a;
+    for (int i = threadIdx.x; i < kHash; i += kThreads)
+      if (table[i] >= 0) keys[atomicAdd(&filled, 1)] = table[i];
+    __syncthreads();
+    int n2 = 64;  // the sort's length: a power of two >= u (the same in every thread)
+    while (n2 < u) n2 <<= 1;
+    for (int i = u + threadIdx.x; i < n2; i += kThreads) keys[i] = INT_MAX;  // padding sorts last
+    __syncthreads();
+    for (int size = 2; size <= n2; size <<= 1)
+      for (int stride = size / 2; stride > 0; stride >>= 1) {
+        const int pr = threadIdx.x, i = 2 * stride * (pr / stride) + pr % stride, j = i + stride;
+        if (pr < n2 / 2) {
+          const bool ascending = (i & size) == 0;
+          const int32_t a = keys[i], b = keys[j];
+          if ((a > b) == ascending) keys[i] = b, keys[j] = a;
+        }
+        __syncthreads();
       }
-      __syncthreads();
-    }
 
-  for (int i = threadIdx.x; i < u; i += kThreads) {  // each key's slot gets its rank
-    const int32_t key = keys[i];
-    int h = hash_slot(key);
-    while (table[h] != key) h = (h + 1) & (kHash - 1);
-    rank[h] = (int16_t)i;
-  }
-  __syncthreads();
+    for (int i = threadIdx.x; i < u; i += kThreads) {  // each key's slot gets its rank
+      const int32_t key = keys[i];
+      int h = hash_slot(key);
+      while (table[h] != key) h = (h + 1) & (kHash - 1);
+      rank[h] = (int16_t)i;
+    }
+    __syncthreads();
   }
 
   unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
