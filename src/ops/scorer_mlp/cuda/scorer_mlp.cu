@@ -191,7 +191,6 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
 // the attribute and occupancy queries cost host time on every call otherwise.
 struct LaunchShape {
   int warps = 1;
-  size_t bytes = 0;
   int64_t fit = 1;  // resident blocks: per SM x SMs
 };
 
@@ -207,11 +206,11 @@ LaunchShape launch_shape(int64_t half) {
   LaunchShape sh;
   sh.warps = kMaxWarps;
   while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
-  sh.bytes = smem_layout(half, HID, sh.warps).bytes;
-  cuda::allow_smem(scorer_mlp_kernel<HID>, sh.bytes, "scorer_mlp");
+  const size_t bytes = smem_layout(half, HID, sh.warps).bytes;
+  cuda::allow_smem(scorer_mlp_kernel<HID>, bytes, "scorer_mlp");
   int per_sm = 0, sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, sh.bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, bytes);
   sh.fit = (int64_t)std::max(1, per_sm) * std::max(1, sms);
   cache.emplace(key, sh);
   return sh;
