@@ -339,9 +339,42 @@ OpCase union_case(const std::string& name, const pat::KeyLists& a, const pat::Ke
 
 }  // namespace
 
+// The random cases of UnionOfTwoListsMatchesMergedLists (below) do what it says of them: with
+// keys from a range of 150 every block's union fits in 512 keys; with keys from all of [0, 1100)
+// in a random query order every block overflows but the last (query 1024 alone); half and half,
+// the blocks of the first 512 queries fit and the others overflow, the last again excepted.
+// Counted by the plan's definition (tile_blocks_from_lists, CPU) on the merged lists in the
+// attention's query order.
+TEST(TileBlocks, UnionTestCasesFitAndOverflowAsIntended) {
+  torch::manual_seed(105);
+  const int64_t B = 1, H = 2, L = 1025, Lk = 1100, nblk = 17;
+  for (auto [Ka, Kb] : {std::pair<int64_t, int64_t>{32, 32}, {13, 20}, {48, 16}})
+    for (int mix : {0, 1, 2}) {
+      SCOPED_TRACE("Ka " + std::to_string(Ka) + " Kb " + std::to_string(Kb) + " mix " + std::to_string(mix));
+      const at::Tensor order = at::rand({B, H, L}).argsort(int64_t{-1}, false).to(at::kInt);
+      const pat::KeyLists a{random_lists(B, H, L, Ka, mix == 1 ? Lk : 150), mix == 1 ? order : at::Tensor()};
+      at::Tensor bi = random_lists(B, H, L, Kb, 150);
+      if (mix > 0) {
+        const at::Tensor wide = random_lists(B, H, L, Kb, Lk);
+        bi = mix == 1 ? wide : at::cat({bi.narrow(2, 0, 512), wide.narrow(2, 512, L - 512)}, 2);
+      }
+      const pat::KeyLists merged = pat::merge(a, pat::KeyLists{bi, at::Tensor()});
+      at::Tensor idx = merged.idx;  // rows in the attention's query order
+      if (merged.q_order.defined())
+        idx = idx.gather(2, merged.q_order.to(at::kLong).unsqueeze(-1).expand({B, H, L, idx.size(3)}));
+      const at::Tensor over = hax::ops::tile_blocks_from_lists(idx, Lk).count.lt(0).reshape({B * H, nblk});
+      const at::Tensor blk = at::arange(nblk);
+      const at::Tensor want = (mix == 0 ? blk.lt(0) : mix == 1 ? blk.lt(16) : blk.ge(8).logical_and(blk.lt(16)))
+                                  .unsqueeze(0)
+                                  .expand({B * H, nblk});
+      EXPECT_TRUE(at::equal(over, want)) << over;
+    }
+}
+
 // HAX's two lists on the tile path without merging them first (sparse_attention_union): LSH's in
 // bucket order with Key Selection's, and random lists whose blocks all fit (keys from a range of
-// 150), all overflow (keys from all of [0, Lk) in a random query order), or half and half; list
+// 150), overflow (keys from all of [0, Lk) in a random query order), or half and half (as
+// UnionTestCasesFitAndOverflowAsIntended checks); list
 // widths that the plan stages 16 bytes at a time (32 + 32) or one entry at a time (13 + 20), and
 // one (48 + 16) whose overflow rows come from the full merge. Against the dense float64 reference
 // over the merged lists, in bfloat16 (and float32 through the merged lists).
