@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1) tile_forward_kerne
   }
   bf16* out = (bf16*)p.out + ((int64_t)b * z.L * z.H + h) * z.Dv;
   // 16-byte stores through the warp's own rows of sQ (only this warp reads them).
-  if (kAsync && z.vec_v && ::hax::ops::cuda::aligned16(p.out)) store_rows_staged<DB, Lay>(sQ + r0 * S, out, sv, o, row, inv, z.L, z.Dv, t);
+  if (kAsync && z.vec_v && cuda::aligned16(p.out)) store_rows_staged<DB, Lay>(sQ + r0 * S, out, sv, o, row, inv, z.L, z.Dv, t);
   else store_rows<DB>(out, sv, o, row, inv, z.L, z.Dv, t);
   float* lse = (float*)p.lse + bh * z.L;
 #pragma unroll
@@ -487,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
   }
   const float scale[2] = {z.scale, z.scale};
   // 16-byte stores through the warp's own rows of sQ (only this warp reads them).
-  if (kAsync && z.vec_qk && ::hax::ops::cuda::aligned16(gp.dq))
+  if (kAsync && z.vec_qk && cuda::aligned16(gp.dq))
     store_rows_staged<DB, Lay>(gb.sQ + r0 * S, (bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
   else
     store_rows<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
@@ -563,8 +563,6 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
   }
 }
 
-bool aligned16(const void* ptr) { return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 Sizes sizes_of(const AttentionParams& p, const void* dout) {
   auto fits = [](int64_t x) { return x < (int64_t)INT32_MAX; };
   if (!fits(p.seqlen * p.nheads * (p.dim > p.vdim ? p.dim : p.vdim)) || !fits(p.keylen * p.nheads * p.dim) ||
@@ -574,8 +572,8 @@ Sizes sizes_of(const AttentionParams& p, const void* dout) {
   z.L = (int)p.seqlen, z.Lk = (int)p.keylen, z.H = (int)p.nheads, z.D = (int)p.dim, z.Dv = (int)p.vdim;
   z.nblk = attention_tile_blocks(p.seqlen);
   z.scale = (float)p.scale, z.scale2 = (float)p.scale * kLog2e;
-  z.vec_qk = p.dim % 8 == 0 && aligned16(p.q) && aligned16(p.k);
-  z.vec_v = p.vdim % 8 == 0 && aligned16(p.v) && (dout == nullptr || aligned16(dout));
+  z.vec_qk = p.dim % 8 == 0 && cuda::aligned16(p.q) && cuda::aligned16(p.k);
+  z.vec_v = p.vdim % 8 == 0 && cuda::aligned16(p.v) && (dout == nullptr || cuda::aligned16(dout));
   return z;
 }
 
