@@ -92,59 +92,82 @@ __global__ void merge_warp_kernel(MergeListsParams p) {
   }
 }
 
-// The row that rank r stands for, or -1 (not to merge): r itself without p.block_count, else
-// (block_count set) the row of rank r's query if its block's count is negative.
-__device__ __forceinline__ int64_t merge_row_of(const MergeListsParams& p, int64_t r) {
+// The row that rank r stands for in merge_overflow_kernel, or -1 (not to merge): the row of rank
+// r's query if its block's count is negative.
+__device__ __forceinline__ int64_t overflow_row_of(const MergeListsParams& p, int64_t r) {
   if (r >= p.rows) return -1;
-  if (!p.block_count) return r;
   const int64_t bh = r / p.L, t = r - bh * p.L, nblk = (p.L + p.block - 1) / p.block;
   if (p.block_count[bh * nblk + t / p.block] >= 0) return -1;
   const int64_t i = p.q_order ? p.q_order[r] : t;
   return i >= 0 && i < p.L ? bh * p.L + i : -1;
 }
 
+// One row's merge for Ka, Kb <= 32 by a warp: lane t holds a[t] (ca) and b[t] (cb); ta, tb, tm
+// are the warp's shared rows (Ka, Kb, Ka + Kb); the union goes to dst (Ka + Kb, -1 after).
+__device__ __forceinline__ void merge_small_row(int32_t ca, int32_t cb, int Ka, int Kb, int32_t* ta, int32_t* tb,
+                                                int32_t* tm, int32_t* dst, int lane) {
+  const int K = Ka + Kb;
+  const unsigned neg_a = __ballot_sync(dev::kFullMask, ca < 0), neg_b = __ballot_sync(dev::kFullMask, cb < 0);
+  const int na = neg_a ? __ffs(neg_a) - 1 : 32, nb = neg_b ? __ffs(neg_b) - 1 : 32, n = na + nb;
+  if (lane < Ka) ta[lane] = ca;
+  if (lane < Kb) tb[lane] = cb;
+  __syncwarp();
+  if (lane < na) tm[lane + count_below(tb, nb, ca, false)] = ca;
+  if (lane < nb) tm[lane + count_below(ta, na, cb, true)] = cb;
+  __syncwarp();
+  int filled = 0;
+  for (int t0 = 0; t0 < n; t0 += 32) {
+    const int t = t0 + lane;
+    const int32_t v = t < n ? tm[t] : -1;
+    const bool keep = t < n && (t == 0 || tm[t - 1] != v);
+    const unsigned m = __ballot_sync(dev::kFullMask, keep);
+    if (keep) dst[filled + __popc(m & ((1u << lane) - 1))] = v;
+    filled += __popc(m);
+  }
+  for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
+  __syncwarp();  // the warp's shared rows are read before the next row's stores
+}
+
 // merge_warp_kernel for Ka, Kb <= 32: lane t holds a[t] and b[t] in registers, and the next
-// row's entries load while this row merges (the lengths by ballots on the registers). With
-// p.block_count, only the overflowing blocks' rows (merge_row_of).
+// row's entries load while this row merges (the lengths by ballots on the registers).
 __global__ void merge_small_kernel(MergeListsParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int Ka = (int)p.Ka, Kb = (int)p.Kb, K = Ka + Kb;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int32_t* ta = (int32_t*)smem + (int64_t)warp * 2 * K;  // (Ka) a's row, (Kb) b's row, (K) the merged list
-  int32_t* tb = ta + Ka;
-  int32_t* tm = tb + Kb;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
   int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + warp;
-  int64_t row = merge_row_of(p, r);
-  int32_t xa = row >= 0 && lane < Ka ? p.a[row * Ka + lane] : -1;
-  int32_t xb = row >= 0 && lane < Kb ? p.b[row * Kb + lane] : -1;
+  int32_t xa = r < p.rows && lane < Ka ? p.a[r * Ka + lane] : -1;
+  int32_t xb = r < p.rows && lane < Kb ? p.b[r * Kb + lane] : -1;
   for (; r < p.rows; r += warps) {
     const int32_t ca = xa, cb = xb;
-    const int64_t cur = row;
-    row = merge_row_of(p, r + warps);  // the next row's entries, in flight during this one
-    xa = row >= 0 && lane < Ka ? p.a[row * Ka + lane] : -1;
-    xb = row >= 0 && lane < Kb ? p.b[row * Kb + lane] : -1;
-    if (cur < 0) continue;  // (warp-uniform)
-    const unsigned neg_a = __ballot_sync(dev::kFullMask, ca < 0), neg_b = __ballot_sync(dev::kFullMask, cb < 0);
-    const int na = neg_a ? __ffs(neg_a) - 1 : 32, nb = neg_b ? __ffs(neg_b) - 1 : 32, n = na + nb;
-    if (lane < Ka) ta[lane] = ca;
-    if (lane < Kb) tb[lane] = cb;
-    __syncwarp();
-    if (lane < na) tm[lane + count_below(tb, nb, ca, false)] = ca;
-    if (lane < nb) tm[lane + count_below(ta, na, cb, true)] = cb;
-    __syncwarp();
-    int32_t* dst = p.out + cur * K;
-    int filled = 0;
-    for (int t0 = 0; t0 < n; t0 += 32) {
-      const int t = t0 + lane;
-      const int32_t v = t < n ? tm[t] : -1;
-      const bool keep = t < n && (t == 0 || tm[t - 1] != v);
-      const unsigned m = __ballot_sync(dev::kFullMask, keep);
-      if (keep) dst[filled + __popc(m & ((1u << lane) - 1))] = v;
-      filled += __popc(m);
+    const int64_t rn = r + warps;  // the next row's entries, in flight during this one
+    xa = rn < p.rows && lane < Ka ? p.a[rn * Ka + lane] : -1;
+    xb = rn < p.rows && lane < Kb ? p.b[rn * Kb + lane] : -1;
+    merge_small_row(ca, cb, Ka, Kb, ta, ta + Ka, ta + K, p.out + r * K, lane);
+  }
+}
+
+// merge_small_kernel over the rows of the overflowing blocks only (p.block_count set): a warp
+// takes 32 ranks at a time, each lane finds its rank's row (one coalesced load of the counts and
+// of q_order for the 32), and the warp merges the rows its ballot marks, one after another. Where
+// a block fits, its 32 ranks cost one step (the earlier form walked them row by row, each step
+// waiting on a count load and a q_order load: 271 us for HAX at 64K).
+__global__ void merge_overflow_kernel(MergeListsParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int Ka = (int)p.Ka, Kb = (int)p.Kb, K = Ka + Kb;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t* ta = (int32_t*)smem + (int64_t)warp * 2 * K;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  for (int64_t r0 = ((int64_t)blockIdx.x * (blockDim.x / 32) + warp) * 32; r0 < p.rows; r0 += warps * 32) {
+    const int64_t row = overflow_row_of(p, r0 + lane);
+    for (unsigned todo = __ballot_sync(dev::kFullMask, row >= 0); todo; todo &= todo - 1) {
+      const int src = __ffs(todo) - 1;
+      const int64_t cur = __shfl_sync(dev::kFullMask, row, src);
+      const int32_t ca = lane < Ka ? p.a[cur * Ka + lane] : -1;
+      const int32_t cb = lane < Kb ? p.b[cur * Kb + lane] : -1;
+      merge_small_row(ca, cb, Ka, Kb, ta, ta + Ka, ta + K, p.out + cur * K, lane);
     }
-    for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
-    __syncwarp();  // the warp's shared rows are read before the next row's stores
   }
 }
 
@@ -157,7 +180,10 @@ void merge_lists_cuda(const MergeListsParams& p, void* stream) {
   const int64_t warp_bytes = 2 * K * 4;
   if (p.block_count && (p.Ka > 32 || p.Kb > 32 || p.L <= 0 || p.block <= 0))
     throw std::runtime_error("merge: the merge of the overflowing blocks' rows needs Ka, Kb <= 32, L and block > 0");
-  if (p.Ka <= 32 && p.Kb <= 32) {
+  if (p.block_count) {
+    const int64_t chunks = (p.rows + 31) / 32;
+    merge_overflow_kernel<<<dev::grid_for(chunks, kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);
+  } else if (p.Ka <= 32 && p.Kb <= 32) {
     merge_small_kernel<<<dev::grid_for(p.rows, 4 * kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);
   } else if (kMergeWarps * warp_bytes <= kMergeBytes) {
     merge_warp_kernel<<<dev::grid_for(p.rows, kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);
