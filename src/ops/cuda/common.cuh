@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -37,6 +38,31 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Whether ptr is non-null and 16-byte aligned (16-byte vector loads and stores, cp.async).
 __host__ __device__ inline bool aligned16(const void* ptr) {
   return ptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// Streaming multiprocessors of the current device (queried once per device).
+inline int sm_count() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  static std::atomic<int> cache[64];
+  int n = dev >= 0 && dev < 64 ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    n = n > 0 ? n : 1;
+    if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// The grid of a per-query kernel beside the tile path (params.h, tile_count): most of its work
+// items are blocks the tile kernels compute, which it only checks and skips. One CTA per item
+// made those checks cost whole CTA launches (at 64K x 16 heads, 65536 CTAs: ~120 us for a
+// forward that computes nothing), so such kernels loop over their items on a grid of at most
+// kSkipCtasPerSm CTAs an SM.
+constexpr int kSkipCtasPerSm = 32;
+inline int64_t skip_grid(int64_t items) {
+  const int64_t cap = (int64_t)sm_count() * kSkipCtasPerSm;
+  return items < cap ? items : cap;
 }
 
 // Throws (the binding layer turns it into the op's error) if the last launch failed.

@@ -22,7 +22,8 @@
 // sums and a butterfly), writing the key's row when it has one chunk, else a partial row that a
 // last kernel adds to the others of its key in chunk order. Every key's row is written.
 //
-// Launch: query pass grid = B·H·ceil(L / (256/G)) CTAs of 256 threads with (256/G)·K·8 bytes of
+// Launch: query pass over B·H·ceil(L / (256/G)) work items of 256 threads, one CTA each (with a
+// tile plan, fewer CTAs looping over them: cuda::skip_grid), with (256/G)·K·8 bytes of
 // dynamic shared memory when the entries live there (<= 48 KiB); key pass grids of ceil(chunks /
 // (256/G)) and ceil(B·H·Lk / (256/G)) CTAs. Workspace: sparse_attention_cuda_workspace() floats,
 // entries (B·H, L·S·K) twice; the key chunks' partial rows are allocated by the binding.
@@ -33,16 +34,16 @@ namespace {
 
 using namespace attn;
 
+// Work item `item` (kThreads / G queries of one (b, h)): the query pass of this group's query.
 template <class T, int G, bool kVec, bool kAtomic>
-__global__ void __launch_bounds__(kThreads)
-    query_pass_kernel(AttentionGradParams gp, Layout lay, int64_t nblk, bool smem_entries) {
-  extern __shared__ float smem[];
+__device__ __forceinline__ void query_pass_item(const AttentionGradParams& gp, const Layout& lay, int64_t nblk,
+                                                int64_t item, float* smem, bool smem_entries) {
   const AttentionParams& p = gp.fwd;
   constexpr int kQueries = kThreads / G;
   const Group<G> g;
   const int grp = threadIdx.x / G;
-  const int64_t bh = blockIdx.x / nblk;
-  const int64_t r = (int64_t)(blockIdx.x % nblk) * kQueries + grp;
+  const int64_t bh = item / nblk;
+  const int64_t r = (int64_t)(item % nblk) * kQueries + grp;
   if (r >= lay.L) return;  // a whole group leaves; no CTA-wide barrier follows
   if (p.tile_count && p.tile_count[bh * attention_tile_blocks(lay.L) + r / kAttentionTileQueries] >= 0)
     return;  // the tile kernels compute this query's block
@@ -165,6 +166,25 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int e = 0; e < 4; ++e) dq[e] *= scale;
   store4<kVec>((T*)gp.dq + lay.q(b, i, h), d0, D, dq);
+}
+
+// Items blockIdx.x, + gridDim.x, ...: one CTA an item, or beside the tile path fewer CTAs
+// (cuda::skip_grid) that run only the items of overflowing blocks (for_each_overflow_item, 32
+// bytes of static shared memory). A group's shared entries are reused by its next item, after its lanes are
+// done with them (__syncwarp over the group).
+template <class T, int G, bool kVec, bool kAtomic>
+__global__ void __launch_bounds__(kThreads)
+    query_pass_kernel(AttentionGradParams gp, Layout lay, int64_t nblk, int64_t items, bool smem_entries) {
+  extern __shared__ float smem[];
+  const Group<G> g;
+  const auto item = [&](int64_t w) {
+    query_pass_item<T, G, kVec, kAtomic>(gp, lay, nblk, w, smem, smem_entries);
+    __syncwarp(g.mask);
+  };
+  if (gp.fwd.tile_count)
+    for_each_overflow_item<kThreads / G>(gp.fwd.tile_count, lay.L, nblk, items, item);
+  else
+    for (int64_t w = blockIdx.x; w < items; w += gridDim.x) item(w);
 }
 
 // Deterministic mode, first half of the key pass: one group per work chunk c (of at most
@@ -306,8 +326,9 @@ void sparse_attention_backward_cuda(const AttentionGradParams& gp, DType dtype, 
       dispatch_bool(vec, [&](auto vc) {
         constexpr bool kV = decltype(vc)::value;
         if (gp.deterministic) {
-          query_pass_kernel<scalar_t, kG, kV, false>
-              <<<(unsigned)(BH * nblk), kThreads, smem_bytes, s>>>(gp, lay, nblk, smem);
+          const auto kernel = query_pass_kernel<scalar_t, kG, kV, false>;
+          cuda::allow_smem(kernel, smem_bytes, "sparse_attention_backward_cuda (queries)", kOverflowItemSmem);
+          kernel<<<(unsigned)(BH * nblk), kThreads, smem_bytes, s>>>(gp, lay, nblk, BH * nblk, smem);
           cuda::check_launch("sparse_attention_backward_cuda (queries)");
           if (gp.key_chunks > 0) {
             key_chunk_kernel<scalar_t, kG, kV>
@@ -315,8 +336,10 @@ void sparse_attention_backward_cuda(const AttentionGradParams& gp, DType dtype, 
             key_sum_kernel<kG, kV><<<(unsigned)nkb, kThreads, 0, s>>>(gp, lay);
           }
         } else {
-          query_pass_kernel<scalar_t, kG, kV, true>
-              <<<(unsigned)(BH * nblk), kThreads, smem_bytes, s>>>(gp, lay, nblk, smem);
+          const int64_t grid = p.tile_count ? cuda::skip_grid(BH * nblk) : BH * nblk;
+          const auto kernel = query_pass_kernel<scalar_t, kG, kV, true>;
+          cuda::allow_smem(kernel, smem_bytes, "sparse_attention_backward_cuda (queries)", kOverflowItemSmem);
+          kernel<<<(unsigned)grid, kThreads, smem_bytes, s>>>(gp, lay, nblk, BH * nblk, smem);
         }
       });
     });

@@ -16,7 +16,8 @@
 // Padding (-1) costs nothing when a whole chunk is padding. At the end of the segment
 // lse_s = (m + log2 l)·ln 2 (-inf when l = 0: no keys) and out += w_s/l · acc.
 //
-// Launch: grid = B·H·ceil(L / (256/G)) CTAs of 256 threads, no shared memory. kVec kernels (D and
+// Launch: B·H·ceil(L / (256/G)) work items of 256 threads, one CTA each (with a tile plan, fewer
+// CTAs looping over them: cuda::skip_grid), no shared memory. kVec kernels (D and
 // Dv multiples of 4, rows aligned) read and write each lane's 4 elements as one vector.
 #include "ops/attention/cuda/lanes.cuh"
 
@@ -25,12 +26,13 @@ namespace {
 
 using namespace attn;
 
+// Work item `item` (a CTA's kThreads / G queries of one (b, h)): the forward of this group's query.
 template <class T, int G, bool kVec>
-__global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p, Layout lay, int64_t nblk) {
-  constexpr int kQueries = kThreads / G;  // queries per CTA
+__device__ __forceinline__ void forward_item(const AttentionParams& p, const Layout& lay, int64_t nblk, int64_t item) {
+  constexpr int kQueries = kThreads / G;  // queries per item
   const Group<G> g;
-  const int64_t bh = blockIdx.x / nblk;
-  const int64_t r = (int64_t)(blockIdx.x % nblk) * kQueries + threadIdx.x / G;  // rank in q_order
+  const int64_t bh = item / nblk;
+  const int64_t r = (int64_t)(item % nblk) * kQueries + threadIdx.x / G;  // rank in q_order
   if (r >= lay.L) return;  // a whole group leaves: no collective of another group waits on it
   if (p.tile_count && p.tile_count[bh * attention_tile_blocks(lay.L) + r / kAttentionTileQueries] >= 0)
     return;  // the tile kernels compute this query's block
@@ -111,6 +113,17 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p, La
   store4<kVec>((T*)p.out + lay.o(b, i, h), d0, Dv, o);
 }
 
+// Items blockIdx.x, + gridDim.x, ...: one CTA an item, or beside the tile path fewer CTAs
+// (cuda::skip_grid) that run only the items of overflowing blocks (for_each_overflow_item).
+template <class T, int G, bool kVec>
+__global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p, Layout lay, int64_t nblk, int64_t items) {
+  if (p.tile_count)
+    for_each_overflow_item<kThreads / G>(p.tile_count, lay.L, nblk, items,
+                                         [&](int64_t w) { forward_item<T, G, kVec>(p, lay, nblk, w); });
+  else
+    for (int64_t w = blockIdx.x; w < items; w += gridDim.x) forward_item<T, G, kVec>(p, lay, nblk, w);
+}
+
 }  // namespace
 
 void sparse_attention_forward_cuda(const AttentionParams& p, DType dtype, void* stream) {
@@ -119,7 +132,8 @@ void sparse_attention_forward_cuda(const AttentionParams& p, DType dtype, void* 
   if (BH * lay.L == 0) return;
   const auto s = (cudaStream_t)stream;
   const int G = attention_cuda_group(p.dim, p.vdim);
-  const int64_t nblk = cuda::ceil_div(lay.L, kThreads / G), grid = BH * nblk;
+  const int64_t nblk = cuda::ceil_div(lay.L, kThreads / G), items = BH * nblk;
+  const int64_t grid = p.tile_count ? cuda::skip_grid(items) : items;
   if (grid > 0x7fffffff) throw std::runtime_error("sparse_attention_forward_cuda: too many queries for one launch");
   HAX_DISPATCH_DTYPE(dtype, [&] {
     const int eb = (int)sizeof(scalar_t);
@@ -128,7 +142,7 @@ void sparse_attention_forward_cuda(const AttentionParams& p, DType dtype, void* 
     dispatch_group(G, [&](auto gc) {
       dispatch_bool(vec, [&](auto vc) {
         forward_kernel<scalar_t, decltype(gc)::value, decltype(vc)::value>
-            <<<(unsigned)grid, kThreads, 0, s>>>(p, lay, nblk);
+            <<<(unsigned)grid, kThreads, 0, s>>>(p, lay, nblk, items);
       });
     });
   });

@@ -57,6 +57,34 @@ struct Group {
   }
 };
 
+// The work items of a per-query kernel beside the tile path (AttentionParams::tile_count), where
+// most items belong to blocks the tile kernels compute. Item w holds kQueries consecutive ranks of
+// q_order of one (b, h) (nblk items per (b, h), kQueries dividing kAttentionTileQueries, so one
+// tile block). Each round, thread t of a CTA checks item base + t·gridDim.x, and the CTA then runs
+// `run(item)` for the items whose block overflows (tile_count < 0) only, in ascending order. So a
+// CTA checks kThreads items with one load each instead of taking them one by one (at 64K x 16
+// heads, 65536 items that one CTA each only checked cost ~100 us a kernel). Every thread of the
+// CTA must call it; `run` must not hold a CTA-wide barrier.
+constexpr size_t kOverflowItemSmem = sizeof(uint32_t) * (kThreads / 32);  // its static shared memory
+template <int kQueries, class F>
+__device__ __forceinline__ void for_each_overflow_item(const int32_t* tile_count, int64_t L, int64_t nblk,
+                                                       int64_t items, F&& run) {
+  static_assert(kAttentionTileQueries % kQueries == 0 && kThreads % 32 == 0, "items of one tile block");
+  __shared__ uint32_t hits[kOverflowItemSmem / sizeof(uint32_t)];  // bit t % 32 of word t / 32: item base + t·gridDim.x overflows
+  const int64_t stride = gridDim.x, tiles = attention_tile_blocks(L);
+  for (int64_t base = blockIdx.x; base < items; base += stride * kThreads) {
+    const int64_t w = base + (int64_t)threadIdx.x * stride;
+    bool hit = false;
+    if (w < items) hit = tile_count[(w / nblk) * tiles + (w % nblk) * kQueries / kAttentionTileQueries] < 0;
+    const uint32_t word = __ballot_sync(0xffffffffu, hit);
+    if (threadIdx.x % 32 == 0) hits[threadIdx.x / 32] = word;
+    __syncthreads();
+    for (int u = 0; u < kThreads / 32; ++u)
+      for (uint32_t bits = hits[u]; bits; bits &= bits - 1) run(base + (int64_t)(u * 32 + __ffs(bits) - 1) * stride);
+    __syncthreads();  // the next round rewrites hits
+  }
+}
+
 // 4 elements of T as one aligned vector access.
 template <class T>
 struct Vec4;
