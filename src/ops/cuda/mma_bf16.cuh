@@ -97,6 +97,14 @@ __device__ __forceinline__ void load_b_kn2(uint32_t (&b)[4], const bf16* Y, int 
   ldsm_x4<true>(b, Lay::at(Y, k0 + l % 8 + (m & 1) * 8, n0 + (m >> 1) * 8));
 }
 
+// The A fragment of rows r0..r0+15, columns k0..k0+15 of A = X^T, X (k, m) laid out by Lay: the
+// transposes of the matrices (k +0, m +0), (+0, +8), (+8, +0), (+8, +8).
+template <class Lay>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const bf16* X, int r0, int k0) {
+  const int l = lane_of(), m = l / 8;
+  ldsm_x4<true>(a, Lay::at(X, k0 + l % 8 + (m >> 1) * 8, r0 + (m & 1) * 8));
+}
+
 // The A fragment of k step kk (columns 16kk..16kk+15) from the C fragments of a (16, 8 NT) tile.
 template <int NT>
 __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
@@ -171,6 +179,27 @@ template <int DB, int NT, int S>
 __device__ __forceinline__ void warp_accumulate(float (&acc)[DB / 8][4], const float (&pc)[NT][4], const bf16* Y,
                                                 unsigned live = ~0u) {
   warp_accumulate<DB, NT, Padded<S>>(acc, pc, Y, live);
+}
+
+// acc (16, DB) += X[0..16 KT, r0..r0+15]^T Y[0..16 KT, :DB]: the A operand is columns r0.. of X
+// (k, m), laid out by LayX and read transposed; Y (k, n) is laid out by LayY. (For a product whose
+// A operand another warp computed, such as dQ = dS K from dS^T tiles written by the warps that own
+// its keys.)
+template <int DB, int KT, class LayX, class LayY>
+__device__ __forceinline__ void warp_accumulate_tn(float (&acc)[DB / 8][4], const bf16* X, int r0, const bf16* Y) {
+  static_assert(DB % 16 == 0, "warp_accumulate_tn reads B fragments two 8-column tiles at a time");
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    uint32_t a[4];
+    load_a_trans<LayX>(a, X, r0, kk * 16);
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; nt += 2) {
+      uint32_t b[4];
+      load_b_kn2<LayY>(b, Y, kk * 16, nt * 8);
+      mma(acc[nt], a, b[0], b[1]);
+      mma(acc[nt + 1], a, b[2], b[3]);
+    }
+  }
 }
 
 // Max and sum over the 4 lanes of a fragment row (lanes 4g..4g+3).

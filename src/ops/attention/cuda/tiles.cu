@@ -8,10 +8,10 @@
 // forward's output), dS_ij = P_ij (dO_i·v_j - Δ_i):
 // forward   O_i = Σ_j P_ij v_j, lse_i (online softmax over the tiles; an empty list gives
 //           O_i = 0, lse_i = -inf),
-// dq        dq_i = scale Σ_j dS_ij k_j (one CTA per query block, no atomics),
-// dk, dv    per tile, with the tile's keys as rows: dv_j += Σ_i P_ij dO_i, dk_j += scale
-//           Σ_i dS_ij q_i, dbias_j += Σ_i dS_ij, added to float32 accumulators with atomics
-//           (a key appears in the unions of several blocks).
+// backward  one kernel: per tile, with the tile's keys as rows, dv_j += Σ_i P_ij dO_i, dk_j +=
+//           scale Σ_i dS_ij q_i, dbias_j += Σ_i dS_ij, added to float32 accumulators with atomics
+//           (a key appears in the unions of several blocks); dq_i = scale Σ_j dS_ij k_j from the
+//           tile's dS through shared memory, in registers over the tiles (one writer per query).
 // P and dS enter the second product of each step rounded to bfloat16, as in FlashAttention-2
 // and the causal attention kernel; everything else is float32.
 #include "ops/attention/params.h"
@@ -180,7 +180,8 @@ struct Cfg {
   static constexpr int DT = DB / 8;
   static constexpr int NB = kAsync ? 2 : 1;  // key-tile buffers
   static constexpr size_t fwd_smem = sizeof(bf16) * (kQ + 2 * NB * kTK) * S;      // sQ, sK[NB], sV[NB]
-  static constexpr size_t bwd_smem = sizeof(bf16) * (2 * kQ + 2 * NB * kTK) * S;  // sQ, sdO, sK[NB], sV[NB]
+  static constexpr size_t bwd_smem =  // sQ, sdO, sK[NB], sV[NB], then sdS (kTK x kQ, Swizzle128)
+      sizeof(bf16) * ((2 * kQ + 2 * NB * kTK) * S + kTK * kQ);
 };
 
 // Per-CTA shared state of a block: query positions; per buffer, the tile's keys, their biases in
@@ -428,10 +429,16 @@ struct GradBlock {
   }
 };
 
-// dq of the block's queries: S = Q K^T, dP = dO V^T, dS = P (dP - Δ), dQ += dS K over the tiles.
+// The backward of a block: per key tile, keys as rows and the block's queries as columns,
+// S^T = K Q^T, dP^T = V dO^T, dS^T = P^T ∘ (dP^T - Δ), then dV = P^T dO, dK = dS^T Q and
+// dbias = row sums of dS^T, added to the accumulators with atomics. Each warp writes its 16 rows
+// of dS^T (bfloat16) into sdS, and after a barrier takes its 16 queries' dQ += dS K from there
+// (the A operand read transposed): dQ stays in registers over the tiles, one writer per query.
+// (A separate dQ kernel recomputed S and dP from a second gather of the same tiles: 574 us of
+// HAX's 64K call, BENCHMARKS.md, fourteenth pass.)
 template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
-    tile_dq_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
+    tile_backward_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
   using C = Cfg<DB, kAsync>;
   constexpr int S = C::S, DT = C::DT;
   using Lay = typename C::Lay;
@@ -440,90 +447,28 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
   if (count < 0) return;
   extern __shared__ uint4 smem_u4[];
   __shared__ BlockShared bs;
-  GradBlock<DB, kAsync> gb(smem_u4, gp, plan, z);
-  const int64_t bh = gb.bh, b = gb.b, h = gb.h, sqk = gb.sqk;
-  const int g = gb.g, t = gb.t, r0 = gb.r0;
-  const bf16 *sQ = gb.sQ, *sdO = gb.sdO;
-  const unsigned long long* mask = gb.mask;
-  const int64_t off_q = ((int64_t)b * z.L * z.H + h) * z.D;
-
-  gb.load(bs, gp, z);
-  __shared__ float sDl[kQ];
-  block_delta(sDl, gp, z, bs.rows, b, h, bh);
-  __syncthreads();
-  const int rr[2] = {r0 + g, r0 + g + 8};
-  int row[2];
-  float lse2[2], dl[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row[r] = bs.rows[rr[r]];
-    const float lse = row[r] >= 0 ? ((const float*)p.lse)[bh * z.L + row[r]] : -INFINITY;
-    lse2[r] = lse == -INFINITY ? 0.f : lse * kLog2e;  // an empty list has no set bit
-    dl[r] = sDl[rr[r]];
-  }
-
-  float acc[DT][4] = {};
-  const int ntiles = (count + kTK - 1) / kTK;
-  wait_block_q_do<kAsync>(ntiles);
-  TileStream<DB, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, false);
-  ts.start();
-  for (int tt = 0; tt < ntiles; ++tt) {
-    const unsigned long long bits[2] = {mask[tt * kQ + rr[0]], mask[tt * kQ + rr[1]]};
-    const int buf = ts.begin(tt);
-    const float* bias2 = bs.bias2[buf];
-    float s[NT][4] = {}, dp[NT][4] = {};
-    warp_dot<DB, NT, Lay>(s, sQ, r0, ts.K(buf));
-    warp_dot<DB, NT, Lay>(dp, sdO, r0, ts.V(buf));
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
-        const float pr = (bits[r] >> c) & 1ull ? fast_exp2(s[nt][e] * z.scale2 + bias2[c] - lse2[r]) : 0.f;
-        s[nt][e] = pr * (dp[nt][e] - dl[r]);  // dS
-      }
-    warp_accumulate<DB, NT, Lay>(acc, s, ts.K(buf));  // dQ += dS K
-    ts.end();
-  }
-  const float scale[2] = {z.scale, z.scale};
-  // 16-byte stores through the warp's own rows of sQ (only this warp reads them).
-  if (kAsync && z.vec_qk && cuda::aligned16(gp.dq))
-    store_rows_staged<DB, Lay>(gb.sQ + r0 * S, (bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
-  else
-    store_rows<DB>((bf16*)gp.dq + off_q, sqk, acc, row, scale, z.L, z.D, t);
-}
-
-// dk, dv, dbias contributions of the block: per tile, keys as rows and the block's queries as
-// columns: S^T = K Q^T, dP^T = V dO^T, dV = P^T dO, dK = dS^T Q, dbias = row sums of dS^T.
-template <int DB, bool kAsync>
-__global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
-    tile_dkdv_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
-  using C = Cfg<DB, kAsync>;
-  constexpr int DT = C::DT;
-  using Lay = typename C::Lay;
-  const AttentionParams& p = gp.fwd;
-  const int count = plan.count[blockIdx.x];
-  if (count < 0) return;
-  extern __shared__ uint4 smem_u4[];
-  __shared__ BlockShared bs;
   __shared__ float sLse2[kQ], sDl[kQ];
   GradBlock<DB, kAsync> gb(smem_u4, gp, plan, z);
+  static_assert(kQ == 64 && kTK % 16 == 0, "sdS rows are 64 queries (Swizzle128's 128 bytes)");
+  bf16* sdS = gb.sV + C::NB * kTK * S;  // (kTK keys, kQ queries) dS^T of the tile, Swizzle128
   const int64_t bh = gb.bh, b = gb.b, h = gb.h, sqk = gb.sqk, sv = gb.sv;
   const int g = gb.g, t = gb.t, r0 = gb.r0;
   const bf16 *sQ = gb.sQ, *sdO = gb.sdO;
   float* dk_acc = (float*)gp.dk + gb.off_k;
   float* dv_acc = (float*)gp.dv + gb.off_v;
   float* db_acc = gp.dbias ? (float*)gp.dbias + bh * z.Lk : nullptr;
+  const int64_t off_q = ((int64_t)b * z.L * z.H + h) * z.D;
 
   gb.load(bs, gp, z);
   for (int c = threadIdx.x; c < kQ; c += kThreads) {
     const int i = bs.rows[c];
     const float lse = i >= 0 ? ((const float*)p.lse)[bh * z.L + i] : -INFINITY;
-    sLse2[c] = lse == -INFINITY ? 0.f : lse * kLog2e;
+    sLse2[c] = lse == -INFINITY ? 0.f : lse * kLog2e;  // an empty list has no set bit
   }
   block_delta(sDl, gp, z, bs.rows, b, h, bh);  // read after the loop's first barrier
   const bool pairs_k = z.D % 2 == 0, pairs_v = z.Dv % 2 == 0;
 
+  float dq[DT][4] = {};  // the warp's queries r0 + g, r0 + g + 8
   const int ntiles = (count + kTK - 1) / kTK;
   wait_block_q_do<kAsync>(ntiles);
   TileStream<DB, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
@@ -537,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
     warp_dot<DB, NT, Lay>(st, ts.K(buf), r0, sQ);
     warp_dot<DB, NT, Lay>(dpt, ts.V(buf), r0, sdO);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
@@ -547,9 +492,16 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
         dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
         db[r] += dpt[nt][e];
       }
+#pragma unroll
+      for (int r = 0; r < 2; ++r)  // (the same bfloat16 rounding as the A fragments below)
+        *reinterpret_cast<uint32_t*>(Swizzle128::at(sdS, kr[r], nt * 8) + 2 * t) =
+            pack_bf16(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+    }
     float dk[DT][4] = {}, dv[DT][4] = {};
     warp_accumulate<DB, NT, Lay>(dv, st, sdO);  // dV = P^T dO
     warp_accumulate<DB, NT, Lay>(dk, dpt, sQ);  // dK = dS^T Q
+    __syncthreads();                            // every warp's rows of dS^T are in sdS
+    warp_accumulate_tn<DB, kTK / 16, Swizzle128, Lay>(dq, sdS, r0, ts.K(buf));  // dQ += dS K
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float dbr = sum4(db[r]);
@@ -559,7 +511,16 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1)
       atomic_add_row<DB>(dv_acc + (int64_t)j * sv, dv, r, 1.f, z.Dv, t, pairs_v);
       if (db_acc && t == 0) atomicAdd(db_acc + j, dbr);
     }
-    ts.end();
+    ts.end();  // (the next begin()'s barrier also keeps sdS until every warp has read it)
+  }
+  const int row[2] = {bs.rows[r0 + g], bs.rows[r0 + g + 8]};
+  const float scale[2] = {z.scale, z.scale};
+  // 16-byte stores through the warp's own rows of sQ, once no warp reads sQ any more.
+  if (kAsync && z.vec_qk && cuda::aligned16(gp.dq)) {
+    __syncthreads();
+    store_rows_staged<DB, Lay>(gb.sQ + r0 * S, (bf16*)gp.dq + off_q, sqk, dq, row, scale, z.L, z.D, t);
+  } else {
+    store_rows<DB>((bf16*)gp.dq + off_q, sqk, dq, row, scale, z.L, z.D, t);
   }
 }
 
@@ -604,10 +565,8 @@ void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const At
     auto launch = [&](auto async) {
       constexpr bool kA = decltype(async)::value;
       constexpr size_t smem = Cfg<DB, kA>::bwd_smem;
-      cuda::allow_smem(tile_dq_kernel<DB, kA>, smem, "sparse_attention tile backward", kStaticSmem);
-      cuda::allow_smem(tile_dkdv_kernel<DB, kA>, smem, "sparse_attention tile backward", kStaticSmem);
-      tile_dq_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
-      tile_dkdv_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
+      cuda::allow_smem(tile_backward_kernel<DB, kA>, smem, "sparse_attention tile backward", kStaticSmem);
+      tile_backward_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
     };
     if (z.vec_qk && z.vec_v) launch(std::true_type{});
     else launch(std::false_type{});
