@@ -5,7 +5,9 @@
 // and sparse_attention_blocks against the dense reference on the same keys (float64 on the CPU;
 // on a CUDA device, float32 through the lists and bfloat16 on the tile kernels). On a GPU also: the
 // tile plan kernel and the query kernels' block form equal the CPU's blocks exactly.
+#include <algorithm>
 #include <climits>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -337,6 +339,79 @@ OpCase union_case(const std::string& name, const pat::KeyLists& a, const pat::Ke
   return c;
 }
 
+// sparse_attention_union_band over a band (list a; `a` holds the same lists, for the reference)
+// and lists b, with patterns::merge_overflow_rows's band form for the blocks that overflow,
+// against the dense reference over merge(a, b).
+OpCase union_band_case(const std::string& name, const pat::LshBand& band, int64_t Ka, const pat::KeyLists& a,
+                       const pat::KeyLists& b, int64_t D) {
+  OpCase c;
+  c.name = name;
+  const int64_t B = b.idx.size(0), H = b.idx.size(1), L = b.idx.size(2);
+  const pat::KeyLists merged = pat::merge(a, b);
+  const double scale = 1.0 / std::sqrt((double)D);
+  c.make_inputs = [=](at::ScalarType dt) {
+    auto o = at::TensorOptions().dtype(dt);
+    return Tensors{at::randn({B, L, H, D}, o).requires_grad_(), at::randn({B, L, H, D}, o).requires_grad_(),
+                   at::randn({B, L, H, D}, o).requires_grad_()};
+  };
+  c.op = [=](const Tensors& in) {
+    const at::Device dev = in[0].device();
+    if (!hax::ops::sparse_attention_union_native(in[0], in[2], Ka, b.idx.size(3))) {
+      EXPECT_FALSE(dev.is_cuda() && in[0].scalar_type() == at::kBFloat16) << "the union op should apply";
+      return Tensors{std::get<0>(hax::ops::sparse_attention(in[0], in[1], in[2], merged.idx.to(dev), {}, {},
+                                                             merged.q_order.to(dev), scale))};
+    }
+    const pat::LshBand g{band.q_order.to(dev), band.k_order.to(dev), band.band.to(dev)};
+    const pat::KeyLists gb{b.idx.to(dev), at::Tensor()};
+    const auto merge_overflow = [&](const at::Tensor& count) { return pat::merge_overflow_rows(g, Ka, gb, count); };
+    return Tensors{std::get<0>(hax::ops::sparse_attention_union_band(in[0], in[1], in[2], g.band, g.k_order, Ka,
+                                                                     gb.idx, g.q_order, scale, merge_overflow))};
+  };
+  c.reference = [=](const Tensors& in) {
+    return Tensors{std::get<0>(hax::ops::sparse_attention_reference(in[0], in[1], in[2], merged.idx, {}, {}, scale))};
+  };
+  return c;
+}
+
+// A synthetic band over L keys in nb buckets (sorted by (bucket, position)) for a random query
+// order, and the lists it stands for. Query blocks (64 ranks) take turns: `near` (every band of
+// the block in one bucket, starts within 16 sorted keys: the bitmap path, fits), `apart` (two
+// buckets far apart, starts within 8 of two points: the bands' span passes the bitmap's
+// kAttentionPlanBandSpan, yet the union fits) and `spread` (any bucket, any start: overflows).
+// Bands hold 0..Ka keys.
+std::pair<pat::LshBand, pat::KeyLists> synthetic_band(int64_t B, int64_t H, int64_t L, int64_t Ka, int64_t nb) {
+  const at::Tensor bucket = at::randint(nb, {B, H, L}, at::kLong);
+  const at::Tensor k_order = (bucket * L + at::arange(L).view({1, 1, L})).argsort(int64_t{-1}, false).to(at::kInt);
+  const at::Tensor q_order = at::rand({B, H, L}).argsort(int64_t{-1}, false).to(at::kInt);
+  const at::Tensor counts = at::bincount(bucket.reshape({-1}) + nb * at::arange(B * H).repeat_interleave(L), {}, B * H * nb)
+                                .reshape({B * H, nb});
+  at::Tensor band = at::empty({4, B, H, L}, at::kInt), idx = at::full({B, H, L, Ka}, -1, at::kInt);
+  auto bnd = band.accessor<int32_t, 4>();
+  auto ix = idx.accessor<int32_t, 4>();
+  auto ko = k_order.accessor<int32_t, 3>();
+  auto qo = q_order.accessor<int32_t, 3>();
+  auto cn = counts.accessor<int64_t, 2>();
+  std::mt19937 rng(7);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<int64_t> start(nb + 1, 0);
+      for (int64_t c = 0; c < nb; ++c) start[c + 1] = start[c] + cn[b * H + h][c];
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t mode = (t / 64) % 3;
+        int64_t c = mode == 2 ? rng() % nb : mode == 1 ? ((t % 2) ? nb - 1 : 0) : (t / 64 / 3) % nb;
+        const int64_t size = start[c + 1] - start[c];
+        int64_t len = rng() % (Ka + 1), lo = start[c];
+        if (mode == 2) lo += size > len ? rng() % (size - len + 1) : 0;
+        else lo += std::min<int64_t>(size > len ? size - len : 0, (int64_t)(rng() % (mode == 0 ? 16 : 8)));
+        len = std::min(len, start[c + 1] - lo);
+        bnd[0][b][h][t] = (int32_t)lo, bnd[1][b][h][t] = (int32_t)(lo + len - 1);
+        bnd[2][b][h][t] = bnd[3][b][h][t] = 0;  // (the key side is not read here)
+        for (int64_t e = 0; e < len; ++e) ix[b][h][qo[b][h][t]][e] = ko[b][h][lo + e];
+      }
+    }
+  return {pat::LshBand{q_order, k_order, band}, pat::KeyLists{idx, q_order}};
+}
+
 }  // namespace
 
 // The random cases of UnionOfTwoListsMatchesMergedLists (below) do what it says of them: with
@@ -412,6 +487,62 @@ TEST(TileBlocksCuda, UnionOfTwoListsMatchesMergedLists) {
   hax::ops::set_check_device_values(true);  // the rows merge_overflow_rows leaves out are then -1
   const pat::KeyLists a{random_lists(1, 2, 97, 32, 97), at::Tensor()}, b{random_lists(1, 2, 97, 32, 97), at::Tensor()};
   expect_cuda_bf16_close(union_case("checked values", a, b, 97, 32), 5e-3);
+  hax::ops::set_check_device_values(false);
+}
+
+// HAX's plan with LSH as a band (sparse_attention_union_band): LSH's band from patterns::lsh_band
+// beside Key Selection's lists, and synthetic bands whose blocks take the plan's bitmap, pass its
+// span (the band's keys then go as list entries) or overflow (per-query kernels on merged rows
+// from the band), with lists b of keys near or anywhere; band widths 32, 13 and 1. Against the
+// dense float64 reference over lsh's (or the synthetic) lists merged with b, in bfloat16.
+TEST(TileBlocksCuda, UnionWithBandMatchesMergedLists) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(106);
+  for (const BlockCase& s : kHaxCases) {
+    if (s.K > 32) continue;  // (the band's merge of overflowing rows takes up to 32 keys a part)
+    const at::Tensor seq = s.packed ? random_packing(s.B, s.L, 0.02) : at::Tensor();
+    const at::Tensor hq = at::randn({s.B, s.L, s.H, 16}), hk = at::randn({s.B, s.L, s.H, 16});
+    const at::Tensor proj = pat::lsh_projection(16, 3, 6);
+    const pat::KeyLists lsh = pat::lsh(hq, hk, s.K, proj, pat::Binning::kSign, seq);
+    const pat::LshBand band = pat::lsh_band(hq, hk, s.K, proj, pat::Binning::kSign, seq);
+    const pat::KeyLists ks = pat::top_k_prefix(at::randn({s.B, s.L, s.H}), s.K, seq);
+    {  // the query side alone (key_side false) is the full band's
+      const at::Device cuda(at::kCUDA, 0);
+      const at::Tensor gseq = s.packed ? seq.to(cuda) : seq;
+      const pat::LshBand full = pat::lsh_band(hq.to(cuda), hk.to(cuda), s.K, proj.to(cuda), pat::Binning::kSign, gseq);
+      const pat::LshBand qs = pat::lsh_band(hq.to(cuda), hk.to(cuda), s.K, proj.to(cuda), pat::Binning::kSign, gseq,
+                                            /*key_side=*/false);
+      EXPECT_TRUE(at::equal(qs.band.narrow(0, 0, 2), full.band.narrow(0, 0, 2)));
+      EXPECT_TRUE(at::equal(qs.q_order, full.q_order) && at::equal(qs.k_order, full.k_order));
+    }
+    const OpCase c = union_band_case("hax band B" + std::to_string(s.B) + " L" + std::to_string(s.L) + " K" +
+                                         std::to_string(s.K) + (s.packed ? " packed" : ""),
+                                     band, s.K, lsh, ks, s.D);
+    SCOPED_TRACE(c.name);
+    expect_cuda_bf16_close(c, 5e-3);
+  }
+  const int64_t B = 1, H = 2, L = 3000;
+  for (int64_t Ka : {32, 13, 1})
+    for (int64_t range : {int64_t{150}, L}) {
+      const auto [band, a] = synthetic_band(B, H, L, Ka, 4);
+      const pat::KeyLists b{random_lists(B, H, L, 16, range), at::Tensor()};
+      const OpCase c = union_band_case("synthetic Ka " + std::to_string(Ka) + " b keys < " + std::to_string(range),
+                                       band, Ka, a, b, 64);
+      SCOPED_TRACE(c.name);
+      expect_cuda_bf16_close(c, 5e-3);
+    }
+}
+
+// A small instance of the band's union path (blocks on the bitmap, past its span, overflowing),
+// with the value checks on (and -1 in the rows the merge leaves out), quick enough for
+// compute-sanitizer.
+TEST(TileBlocksCuda, UnionBandSmallInstance) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(107);
+  hax::ops::set_check_device_values(true);
+  const auto [band, a] = synthetic_band(1, 1, 1100, 8, 3);
+  const pat::KeyLists b{random_lists(1, 1, 1100, 8, 1100), at::Tensor()};
+  expect_cuda_bf16_close(union_band_case("small band union", band, 8, a, b, 32), 5e-3);
   hax::ops::set_check_device_values(false);
 }
 

@@ -58,10 +58,11 @@ at::Tensor SparseAttentionBranch::lsh_projection_input(const at::Tensor& q, cons
 }
 
 patterns::LshBand SparseAttentionBranch::lsh_band(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                                                  const ForwardContext* ctx) const {
+                                                  const ForwardContext* ctx, bool key_side) const {
   RECORD_USER_SCOPE("hax::lsh_band");
   torch::NoGradGuard ng;
-  return patterns::lsh_band(q.detach(), k.detach(), keys_per_part_, lsh_projection_input(q, ctx), binning_, seq_idx);
+  return patterns::lsh_band(q.detach(), k.detach(), keys_per_part_, lsh_projection_input(q, ctx), binning_, seq_idx,
+                            key_side);
 }
 
 std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tensor& q, const at::Tensor& k,
@@ -100,8 +101,9 @@ namespace {
 // the join and the summed gradients of two attentions cost more than the plan and the merge),
 // and 7.3 against 6.1 with Key Selection's lists beside the band (eleventh pass).
 // 1: always (HAX then takes Key Selection's blocks where the tile kernels run, else its lists);
-// 0: never (LSH through its lists, for comparisons).
-bool lsh_as_band(size_t parts) {
+// 0: never (LSH through its lists, for comparisons). Unset, HAX on the GPU plans LSH's band with
+// the other part's lists (ops::sparse_attention_union_band; see attend).
+int lsh_band_mode() {
   static const int mode = [] {
     const char* e = std::getenv("HAX_LSH_BAND");
     if (!e) return -1;
@@ -109,8 +111,9 @@ bool lsh_as_band(size_t parts) {
     HAX_CHECK(v == "0" || v == "1", "HAX_LSH_BAND = '{}' must be 0 (LSH through lists) or 1 (the band)", v);
     return v == "1" ? 1 : 0;
   }();
-  return mode < 0 ? parts == 1 : mode == 1;
+  return mode;
 }
+bool lsh_as_band(size_t parts) { return lsh_band_mode() < 0 ? parts == 1 : lsh_band_mode() == 1; }
 
 // The union of every part's lists (q_order: the first part's that has one).
 patterns::KeyLists merge_parts(const std::vector<patterns::KeyLists>& parts) {
@@ -190,6 +193,22 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     return ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2);
   }
   if (parts_.size() == 1 && ks_blocks) return std::get<0>(ks_blocks_attention(nullptr));  // Key Selection alone
+  // GPU, LSH with one other part (HAX), HAX_LSH_BAND unset: LSH's band, without lists, and the
+  // other part's lists in one tile plan (its blocks mark the band's keys in a bitmap instead of
+  // hashing 32 list entries a query); the blocks whose union overflows get merged lists.
+  if (has_lsh && vh.is_cuda() && parts_.size() == 2 && !(ctx && ctx->record) && lsh_band_mode() < 0 &&
+      keys_per_part_ <= 32 && ops::sparse_attention_union_native(q, vh, keys_per_part_, keys_per_part_)) {
+    const patterns::LshBand band = lsh_band(q, k, seq_idx, ctx, /*key_side=*/false);
+    const std::vector<patterns::KeyLists> rest = part_lists(q, k, seq_idx, ctx, &scores, /*skip_lsh=*/true);
+    if (scores_out) *scores_out = scores;
+    const patterns::KeyLists& other = rest.at(0);  // (keys_per_part_ slots, position order)
+    RECORD_USER_SCOPE("hax::sparse_attention");
+    const auto merge_overflow = [&](const at::Tensor& count) {
+      return patterns::merge_overflow_rows(band, keys_per_part_, other, count);
+    };
+    return std::get<0>(ops::sparse_attention_union_band(q, k, vh, band.band, band.k_order, keys_per_part_, other.idx,
+                                                        band.q_order, 1.0, merge_overflow));
+  }
   std::vector<patterns::KeyLists> parts = part_lists(q, k, seq_idx, ctx, &scores);
   if (scores_out) *scores_out = scores;
   // CPU, HAX (a part computed in a query order of its own, LSH's buckets, beside one in position

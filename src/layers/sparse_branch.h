@@ -61,8 +61,9 @@ class SparseAttentionBranch : public torch::nn::Module {
   // (made on the host once per step when ctx holds host inputs).
   at::Tensor lsh_projection_input(const at::Tensor& q, const ForwardContext* ctx) const;
   // The LSH band of q, k (patterns::lsh_band) with this layer's projection and keys per part.
+  // key_side as patterns::lsh_band's.
   patterns::LshBand lsh_band(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seq_idx,
-                             const ForwardContext* ctx) const;
+                             const ForwardContext* ctx, bool key_side = true) const;
 
   torch::nn::Linear qk_proj{nullptr};     // qk_in_dim -> 2·H·N: [K; Q], as the reference's xx_proj
   at::Tensor E;                           // (v_dim) output gate, ones at init

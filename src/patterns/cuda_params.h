@@ -125,6 +125,7 @@ struct LshBandParams {
   LshListsParams lists;                 // as above; lists.out is unused
   const int32_t* q_order = nullptr;     // (B, H, L) positions of the queries in sorted order
   int32_t* band = nullptr;              // out (4, B, H, L)
+  bool key_side = true;                 // false: band[2], band[3] are not written
 };
 void lsh_band_cuda(const LshBandParams& p, void* stream);
 
@@ -199,6 +200,11 @@ struct MergeListsParams {
   const int32_t* block_count = nullptr;  // (B·H, ceil(L / block))
   const int32_t* q_order = nullptr;      // (B·H, L) or null
   int64_t L = 0, block = 0;
+  // Optional, with block_count and q_order: a given as a band instead of lists (a is then unread):
+  // rank t of (b, h) lists band_pos[bh·L + band[bh·L + t]] .. band_pos[bh·L + band[rows + bh·L + t]]
+  // (none when the second is below the first; ascending, at most Ka; keys as many as queries).
+  const int32_t* band = nullptr;      // (2, B·H, L)
+  const int32_t* band_pos = nullptr;  // (B·H, L)
 };
 void merge_lists_cuda(const MergeListsParams& p, void* stream);
 

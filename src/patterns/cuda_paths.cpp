@@ -156,7 +156,7 @@ KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, cons
 }
 
 LshBand lsh_band_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj,
-                        Binning binning, const at::Tensor& seq) {
+                        Binning binning, const at::Tensor& seq, bool key_side) {
   const at::Device dev = q.device();
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2);
   at::Tensor band = ops::new_output({4, B, H, L}, int32_on(dev));
@@ -166,6 +166,7 @@ LshBand lsh_band_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, 
   p.lists = lists_params(st, B, L, H, keys);
   p.q_order = st.query_order.data_ptr<int32_t>();
   p.band = band.data_ptr<int32_t>();
+  p.key_side = key_side;
   lsh_band_cuda(p, stream_of(band));
   return {st.query_order, st.key_pos, band};
 }
@@ -280,6 +281,24 @@ at::Tensor merge_overflow_device(const at::Tensor& a0, const at::Tensor& b0, con
   return out;
 }
 
+at::Tensor merge_overflow_band_device(const at::Tensor& band0, const at::Tensor& band_pos0, int64_t Ka,
+                                      const at::Tensor& b0, const at::Tensor& q_order0,
+                                      const at::Tensor& block_count0) {
+  const at::Tensor b = b0.contiguous(), band = band0.narrow(0, 0, 2).contiguous(), band_pos = band_pos0.contiguous();
+  const at::Tensor q_order = q_order0.contiguous(), block_count = block_count0.contiguous();
+  const int64_t B = b.size(0), H = b.size(1), L = b.size(2), Kb = b.size(3);
+  at::Tensor out = ops::check_device_values() ? at::full({B, H, L, Ka + Kb}, -1, int32_on(b.device()))
+                                              : at::empty({B, H, L, Ka + Kb}, int32_on(b.device()));
+  MergeListsParams p;
+  p.rows = B * H * L, p.Ka = Ka, p.Kb = Kb;
+  p.b = b.data_ptr<int32_t>(), p.out = out.data_ptr<int32_t>();
+  p.block_count = block_count.data_ptr<int32_t>(), p.q_order = q_order.data_ptr<int32_t>();
+  p.L = L, p.block = ops::kAttentionTileQueries;
+  p.band = band.data_ptr<int32_t>(), p.band_pos = band_pos.data_ptr<int32_t>();
+  merge_lists_cuda(p, stream_of(out));
+  return out;
+}
+
 ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq, const at::Device& device) {
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(device);
   if (B * L == 0)
@@ -379,7 +398,8 @@ at::Tensor lsh_buckets_device(const at::Tensor&, const at::Tensor&, Binning, con
 KeyLists lsh_device(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, Binning, const at::Tensor&) {
   no_kernels();
 }
-LshBand lsh_band_device(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, Binning, const at::Tensor&) {
+LshBand lsh_band_device(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, Binning, const at::Tensor&,
+                        bool) {
   no_kernels();
 }
 at::Tensor exclude_band_device(const at::Tensor&, const LshBand&) { no_kernels(); }
@@ -389,6 +409,10 @@ ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor&, int64_t, const at:
 }
 at::Tensor merge_device(const at::Tensor&, const at::Tensor&) { no_kernels(); }
 at::Tensor merge_overflow_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_kernels();
+}
+at::Tensor merge_overflow_band_device(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&) {
   no_kernels();
 }
 ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, const at::Device&) { no_kernels(); }

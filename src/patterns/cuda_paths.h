@@ -33,7 +33,7 @@ at::Tensor lsh_buckets_device(const at::Tensor& x, const at::Tensor& proj, Binni
 
 // lsh_band: the sorted orders and the band on q's device.
 LshBand lsh_band_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj,
-                        Binning binning, const at::Tensor& seq);
+                        Binning binning, const at::Tensor& seq, bool key_side);
 
 // exclude_band's lists, (B, H, L, K) int32 on idx's device.
 at::Tensor exclude_band_device(const at::Tensor& idx, const LshBand& band);
@@ -56,6 +56,9 @@ at::Tensor merge_device(const at::Tensor& a, const at::Tensor& b);
 // merge_overflow_rows's lists on a's device (q_order (B, H, L) or undefined, block_count (B, H, nblk)).
 at::Tensor merge_overflow_device(const at::Tensor& a, const at::Tensor& b, const at::Tensor& q_order,
                                  const at::Tensor& block_count);
+// The same with a as a band (merge_overflow_rows's band form): band (2+, B, H, L), band_pos (B, H, L).
+at::Tensor merge_overflow_band_device(const at::Tensor& band, const at::Tensor& band_pos, int64_t Ka,
+                                      const at::Tensor& b, const at::Tensor& q_order, const at::Tensor& block_count);
 
 // chunk_layout on `device`.
 ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq, const at::Device& device);

@@ -243,13 +243,13 @@ KeyLists lsh(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::T
 }
 
 LshBand lsh_band(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
-                 const at::Tensor& seq_idx) {
+                 const at::Tensor& seq_idx, bool key_side) {
   constexpr const char* kOp = "lsh_band";
   check_lsh_args(kOp, q, k, keys, proj, binning);
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), K = keys, n = B * H * L;
   if (q.is_cuda())
     return detail::lsh_band_device(q.detach(), k.detach(), keys, proj, binning,
-                                   ops::check_seq_idx(kOp, detail::on(seq_idx, q.device()), B, L));
+                                   ops::check_seq_idx(kOp, detail::on(seq_idx, q.device()), B, L), key_side);
   // The definition, plainly: rows sorted by (sequence, bucket, position); sorted query t at
   // position i of sequence [s, e) in bucket c sees the sorted keys of that sequence and bucket
   // with position <= i, the last K of them; the key side follows by binary search.

@@ -44,6 +44,27 @@ at::Tensor merge_overflow_rows(const KeyLists& a, const KeyLists& b, const at::T
   return detail::merge_overflow_device(a.idx, b.idx, q_order, block_count);
 }
 
+at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyLists& b, const at::Tensor& block_count) {
+  constexpr const char* kOp = "merge_overflow_rows (band)";
+  HAX_CHECK(b.idx.dim() == 4, "{}: b.idx must be (B, H, L, Kb), got {} dims", kOp, b.idx.dim());
+  const int64_t B = b.idx.size(0), H = b.idx.size(1), L = b.idx.size(2), Kb = b.idx.size(3);
+  HAX_CHECK(b.idx.is_cuda(), "{}: b.idx is on {}; the rows of overflowing tile blocks exist on CUDA only", kOp,
+            b.idx.device().str());
+  ops::check_backend(kOp, "b.idx", b.idx);
+  HAX_CHECK(Ka > 0 && Ka <= 32 && Kb <= 32, "{}: needs 0 < Ka <= 32 and Kb <= 32 (Ka = {}, Kb = {})", kOp, Ka, Kb);
+  const std::vector<int64_t> rows{B, H, L};
+  HAX_CHECK(a.band.dim() == 4 && a.band.size(0) >= 2 && a.band.sizes().slice(1).vec() == rows,
+            "{}: a.band has shape {}, expected (2 or more, {}, {}, {})", kOp, ops::shape_str(a.band.sizes()), B, H, L);
+  ops::check_shape(kOp, "a.k_order", a.k_order, rows, "(B, H, L)");
+  ops::check_shape(kOp, "a.q_order", a.q_order, rows, "(B, H, L)");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"a.band", a.band}, {"a.k_order", a.k_order},
+                                {"a.q_order", a.q_order}, {"block_count", block_count}})
+    HAX_CHECK(t.scalar_type() == at::kInt && t.device() == b.idx.device(), "{}: {} must be int32 on {} (got {} on {})",
+              kOp, name, b.idx.device().str(), c10::toString(t.scalar_type()), t.device().str());
+  ops::check_shape(kOp, "block_count", block_count, {B, H, ops::attention_tile_blocks(L)}, "(B, H, ceil(L / 64))");
+  return detail::merge_overflow_band_device(a.band, a.k_order, Ka, b.idx, a.q_order, block_count);
+}
+
 KeyLists merge(const KeyLists& a, const KeyLists& b) {
   constexpr const char* kOp = "merge";
   check_pair(kOp, a, b);

@@ -72,8 +72,10 @@ struct LshBand {
   at::Tensor k_order;  // (B, H, L) int32
   at::Tensor band;     // (4, B, H, L) int32
 };
+// key_side false: band[2] and band[3] may be left uncomputed (undefined values), for users of the
+// query side only (ops::sparse_attention_union_band); on CUDA that skips a kernel.
 LshBand lsh_band(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
-                 const at::Tensor& seq_idx);
+                 const at::Tensor& seq_idx, bool key_side = true);
 
 // The keys of a's lists that the band's LSH pattern does not give the same query (ascending, -1
 // padded, a's K slots; a's q_order): with the band's attention, a's part of a union such as HAX
@@ -107,6 +109,9 @@ KeyLists merge(const KeyLists& a, const KeyLists& b);
 // negative. The other rows are -1 while ops::check_device_values() is on (the op then checks every
 // entry) and not written otherwise. CUDA only; with Ka or Kb above 32, every row is merged.
 at::Tensor merge_overflow_rows(const KeyLists& a, const KeyLists& b, const at::Tensor& block_count);
+// The same with a given as an LSH band (ops::sparse_attention_union_band) of at most Ka keys a
+// query, in the band's query order; Ka and b's K at most 32. CUDA only.
+at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyLists& b, const at::Tensor& block_count);
 
 // The keys of a's lists that are not in b's, for each query (ascending, -1 padded, Ka slots);
 // q_order is a's. With merge: merge(a, b) lists what b and exclude(a, b) list together, and the

@@ -506,4 +506,52 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union(const at::Tensor& q, c
   return {out[0], out[1]};
 }
 
+std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, const at::Tensor& band,
+                                                               const at::Tensor& band_pos, int64_t Ka,
+                                                               const at::Tensor& idx_b, const at::Tensor& q_order,
+                                                               double scale, const MergeOverflow& merge_overflow) {
+  if (autocast_cast_needed({q, k, v}))
+    return sparse_attention_union_band(autocast_cast(q), autocast_cast(k), autocast_cast(v), band, band_pos, Ka, idx_b,
+                                       q_order, scale, merge_overflow);
+  constexpr const char* kUnion = "sparse_attention_union_band";
+  check_rank(kUnion, "idx_b", idx_b, 4, "(B, H, L, Kb)");
+  const int64_t Kb = idx_b.size(3);
+  HAX_CHECK(sparse_attention_union_native(q, v, Ka, Kb),
+            "{}: needs the CUDA tile path (bfloat16 or autocast on CUDA, head dims <= 128, not deterministic) and "
+            "0 < Ka, Kb with Ka + Kb = {} <= {} (Ka = {}, Kb = {})",
+            kUnion, Ka + Kb, kAttentionPlanMaxStagedKeys, Ka, Kb);
+  HAX_CHECK(q_order.defined(), "{}: q_order is needed (band rows are ranks in q_order)", kUnion);
+  check_inputs(q, k, v, idx_b, {}, {}, q_order, scale);
+  Inputs in = prepare(q, k, v, idx_b, {}, {}, q_order, scale);
+  const Dims& d = in.d;
+  check_rank(kUnion, "band", band, 4, "(2 or more, B, H, L)");
+  HAX_CHECK(band.size(0) >= 2 && band.size(1) == d.B && band.size(2) == d.H && band.size(3) == d.L,
+            "{}: band has shape {}, expected (2 or more, B, H, L) = (2+, {}, {}, {})", kUnion, shape_str(band.sizes()), d.B,
+            d.H, d.L);
+  check_shape(kUnion, "band_pos", band_pos, {d.B, d.H, d.Lk}, "(B, H, Lk)");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"band", band}, {"band_pos", band_pos}})
+    HAX_CHECK(t.scalar_type() == at::kInt && t.device() == q.device(), "{}: {} must be int32 on {} (got {} on {})",
+              kUnion, name, q.device().str(), c10::toString(t.scalar_type()), t.device().str());
+  const at::Tensor bnd = band.narrow(0, 0, 2).contiguous(), pos = band_pos.contiguous();
+  if (check_device_values()) {  // (reads device values: only while the checks are on)
+    const at::Tensor first = bnd[0], last = bnd[1], listed = last >= first;
+    const bool bad_band = (listed & ((first < 0) | (last >= d.Lk) | (last - first >= Ka))).any().item<bool>();
+    HAX_CHECK(!bad_band, "{}: a band row lists sorted keys outside [0, Lk = {}) or more than Ka = {} of them", kUnion,
+              d.Lk, Ka);
+    HAX_CHECK(!((pos < 0) | (pos >= d.Lk)).any().item<bool>(), "{}: band_pos holds a position outside [0, Lk = {})",
+              kUnion, d.Lk);
+  }
+  AttentionParams p = make_params(in, scale);
+  p.band = bnd.data_ptr<int32_t>(), p.band_pos = pos.data_ptr<int32_t>(), p.band_keys = Ka;
+  const TilePlan plan = build_tile_plan(in, p);
+  const at::Tensor idx = merge_overflow(plan.count.view({d.B, d.H, attention_tile_blocks(d.L)}));
+  check_shape(kUnion, "merge_overflow(count)", idx, {d.B, d.H, d.L, Ka + Kb}, "(B, H, L, Ka + Kb)");
+  const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const at::Tensor none = at::empty({0}, q.options());
+  auto out = SparseAttentionFunction::apply(q, k, v, idx, none, none, q_order, scale, record, plan.count, plan.keys,
+                                            plan.mask);
+  return {out[0], out[1]};
+}
+
 }  // namespace hax::ops

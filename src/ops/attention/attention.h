@@ -57,6 +57,20 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union(const at::Tensor& q, c
                                                           const at::Tensor& idx_b, const at::Tensor& q_order,
                                                           double scale, const MergeOverflow& merge_overflow);
 
+// sparse_attention_union with list a given as a band of sorted keys (HAX's LSH part in its band
+// form, patterns::LshBand, without LSH lists): the query of rank t in q_order (B, H, L) lists
+// the keys band_pos[b][h][band[0][b][h][t]], ..., band_pos[b][h][band[1][b][h][t]] (none when
+// band[1] < band[0]), at most Ka of them, distinct. band (2 or more, B, H, L) int32 (rows past
+// the second are not read), band_pos (B, H, Lk) int32, q's device; the op trusts that they agree
+// (lsh_band builds them so). The plan marks each block's band keys in a bitmap instead of hashing
+// them (params.h, kAttentionPlanBandSpan). merge_overflow(count) as above, (B, H, L, Ka + Kb).
+// Needs sparse_attention_union_native(q, v, Ka, Kb) (checked).
+std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, const at::Tensor& band,
+                                                               const at::Tensor& band_pos, int64_t Ka,
+                                                               const at::Tensor& idx_b, const at::Tensor& q_order,
+                                                               double scale, const MergeOverflow& merge_overflow);
+
 // Attention over the union of two disjoint key sets from the attention over each: with (o_s, lse_s)
 // the output and log-sum-exp of set s, softmax over the union = Σ_s exp(lse_s - lse) softmax over
 // s, so out = o_2 + sigmoid(lse_1 - lse_2) (o_1 - o_2). o1, o2: (B, L, H, Dv); lse1, lse2:

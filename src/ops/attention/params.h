@@ -50,6 +50,14 @@ struct AttentionParams {
   // <= kAttentionPlanMaxStagedKeys.
   const int32_t* idx_b = nullptr;
   int64_t maxkeys_b = 0;
+  // CUDA tile plan only, instead of idx_b: a band of sorted keys (an LSH band, patterns::LshBand)
+  // whose keys join idx's. The query of rank t in q_order (one (b, h) row) lists the keys
+  // band_pos[band[t]], ..., band_pos[band[n + t]] (none when band[n + t] < band[t]; n = B*H*L, rows
+  // L apart), at most band_keys of them; their positions are distinct within a row. Not checked
+  // against anything: the caller states that the band and these lists agree.
+  const int32_t* band = nullptr;      // (2, B, H, L): first and last sorted key of each ranked query
+  const int32_t* band_pos = nullptr;  // (B, H, Lk) the key position of each sorted key
+  int64_t band_keys = 0;
 };
 
 // Raw-pointer parameters of the backward. On the CPU every gradient has the input dtype. On CUDA,
@@ -98,6 +106,9 @@ constexpr int64_t kAttentionTilesPerBlock = kAttentionTileMaxKeys / kAttentionTi
 // Keys a query up to which the plan kernel stages a block's lists in shared memory (the plan of
 // two lists, AttentionParams::idx_b, is staged only).
 constexpr int64_t kAttentionPlanMaxStagedKeys = 384;
+// Sorted keys from the first to the last of a block's band (AttentionParams::band) up to which
+// the plan marks the band's keys in a bitmap (else it takes them one by one, as list entries).
+constexpr int64_t kAttentionPlanBandSpan = 1024;
 
 // The plan of every query block, built on the device from idx and q_order (tile_plan.cu).
 struct AttentionTilePlan {
@@ -117,7 +128,11 @@ inline bool attention_tiles_apply(const AttentionParams& p, DType dtype, bool de
          p.path != AttentionPath::kPerQuery && p.dim <= 128 && p.vdim <= 128 && p.maxkeys > 0;
 }
 
-// Builds the plan (needs p.idx, p.q_order and the sizes). sorted: the union ascending (the
+// Builds the plan (needs p.idx, p.q_order and the sizes; with p.idx_b or p.band, the union of
+// both lists, unsorted only, Kb or band_keys plus maxkeys <= kAttentionPlanMaxStagedKeys). A band's
+// keys come first in the union, in sorted order, where a block's band keys span at most
+// kAttentionPlanBandSpan sorted keys; each query's band then covers consecutive union entries,
+// whose plan bits are set as ranges without lookups. sorted: the union ascending (the
 // documented form of TileBlocks); otherwise in the kernel's hash-slot order, which skips the
 // sort: the attention's result is the same up to the order of its float sums, which may then
 // differ between runs when keys collide in the hash set (the tile path is not the deterministic mode).

@@ -192,6 +192,7 @@ void lsh_band_cuda(const LshBandParams& bp, void* stream) {
   else
     band_queries_kernel<uint32_t><<<blocks, kBandThreads, T * sizeof(uint32_t), st>>>(bp, S);
   ops::cuda::check_launch("lsh band (queries)");
+  if (!bp.key_side) return;
   band_keys_kernel<<<dev::grid_for(rows, dev::kThreads), dev::kThreads, 0, st>>>(bp);
   ops::cuda::check_launch("lsh band (keys)");
 }

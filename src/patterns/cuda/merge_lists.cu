@@ -164,7 +164,13 @@ __global__ void merge_overflow_kernel(MergeListsParams p) {
     for (unsigned todo = __ballot_sync(dev::kFullMask, row >= 0); todo; todo &= todo - 1) {
       const int src = __ffs(todo) - 1;
       const int64_t cur = __shfl_sync(dev::kFullMask, row, src);
-      const int32_t ca = lane < Ka ? p.a[cur * Ka + lane] : -1;
+      int32_t ca = -1;
+      if (p.band) {  // rank r0 + src's band of sorted keys
+        const int64_t rk = r0 + src, first = p.band[rk], n = p.band[p.rows + rk] - first + 1;
+        if (lane < n && lane < Ka) ca = p.band_pos[rk - rk % p.L + first + lane];
+      } else if (lane < Ka) {
+        ca = p.a[cur * Ka + lane];
+      }
       const int32_t cb = lane < Kb ? p.b[cur * Kb + lane] : -1;
       merge_small_row(ca, cb, Ka, Kb, ta, ta + Ka, ta + K, p.out + cur * K, lane);
     }
@@ -180,6 +186,8 @@ void merge_lists_cuda(const MergeListsParams& p, void* stream) {
   const int64_t warp_bytes = 2 * K * 4;
   if (p.block_count && (p.Ka > 32 || p.Kb > 32 || p.L <= 0 || p.block <= 0))
     throw std::runtime_error("merge: the merge of the overflowing blocks' rows needs Ka, Kb <= 32, L and block > 0");
+  if (p.band && (!p.block_count || !p.q_order || !p.band_pos))
+    throw std::runtime_error("merge: a band needs block_count, q_order and band_pos (the overflowing rows' merge)");
   if (p.block_count) {
     const int64_t chunks = (p.rows + 31) / 32;
     merge_overflow_kernel<<<dev::grid_for(chunks, kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);

@@ -21,6 +21,14 @@
 //      binary search over the union took 9 dependent steps: the kernel is bound by its instruction
 //      count) and ORs the bits of each 64-key tile across the warp (__reduce_or_sync): no atomics,
 //      one store per (query, tile).
+// With a band (AttentionParams::band, the plan of HAX's union: LSH's band beside Key Selection's
+// lists in p.idx), the band's keys enter first. When a block's bands span at most kSpan sorted
+// keys, a bitmap over that span marks them (each query's band is a run of consecutive bits), the
+// marked keys take the union's first ranks in sorted order (a popcount prefix), and each query's
+// plan bits for its band are one run of consecutive ranks, set without lookups; only the lists
+// go through steps 1 and 3. (Listed, the band's keys cost 64 hash insertions and lookups per
+// query where a block's bands hold ~100 distinct keys.) A wider span takes the band's keys as
+// list entries, read from band_pos.
 // Sorted, the result does not depend on the order of the atomics: the union is sorted and the
 // masks are ORs of fixed bits. Not sorted, keys whose probe sequences collide may take their slots
 // in either order, so the union's order (not its content) can differ between runs.
@@ -47,19 +55,27 @@ static_assert(kHash >= kU + 32 * kWarps, "the hash set must hold every key inser
 
 // A bound on the kernel's static shared memory (table, keys, rank, qpos and a few ints), which
 // counts with the staged lists against the default 48 KB (cuda::allow_smem).
-constexpr size_t kStaticSmem = 4 * (kHash + kU) + 2 * kHash + 8 * kQ + 256;
+constexpr int kSpan = (int)kAttentionPlanBandSpan;  // bits of the band bitmap
+constexpr size_t kStaticSmem = 4 * (kHash + kU) + 2 * kHash + 8 * kQ + 8 * kQ + 8 * (kSpan / 32) + 256;
 constexpr int kMaxStagedKeys = (int)kAttentionPlanMaxStagedKeys;  // K up to which the lists are staged (96 KB)
 
 // Slot of a key: the top 10 bits of a multiplicative hash.
 __device__ __forceinline__ int hash_slot(int32_t key) { return (int)(((uint32_t)key * 2654435761u) >> 22); }
 
-template <bool kStaged, bool kSorted>
+template <bool kStaged, bool kSorted, bool kBand>
 __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, AttentionTilePlan plan, int64_t nblk) {
+  static_assert(!kBand || (kStaged && !kSorted), "a band's plan stages its lists and is not sorted");
   __shared__ __align__(16) int32_t table[kHash];
   __shared__ int32_t keys[kU];
-  __shared__ int16_t rank[kHash];  // rank[h]: the position of table[h] in the sorted union
+  __shared__ __align__(8) int16_t rank[kHash];  // rank[h]: the position of table[h] in the union (-1: not yet)
   __shared__ int64_t qpos[kQ];  // the block's query positions (-1: no list)
   __shared__ int count, filled;
+  // kBand: query r's band is sorted keys band_lo[r] .. band_lo[r] + band_len[r] - 1; the block's
+  // bands span [span_lo, span_hi); bit s of the bitmap `cov` marks sorted key span_lo + s, and
+  // cov_before[w] counts the marks in words before w.
+  __shared__ int32_t band_lo[kBand ? kQ : 1], band_len[kBand ? kQ : 1];
+  __shared__ uint32_t cov[kBand ? kSpan / 32 : 1], cov_before[kBand ? kSpan / 32 : 1];
+  __shared__ int span_lo, span_hi;
   extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists (with idx_b: a's, then b's)
   const int64_t bh = blockIdx.x / nblk, blk = blockIdx.x % nblk, L = p.seqlen;
   const int64_t Ka = p.maxkeys, Kb = p.idx_b ? p.maxkeys_b : 0, K = Ka + Kb;  // (idx_b: staged only)
@@ -68,11 +84,26 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   const int32_t* order = p.q_order ? p.q_order + bh * L : nullptr;
   const int32_t* idx = p.idx + bh * L * Ka;  // one segment: (L, Ka) per (b, h)
   int32_t* staged = reinterpret_cast<int32_t*>(staged_u4);
+  if (kBand && threadIdx.x == 0) span_lo = INT_MAX, span_hi = INT_MIN;
   for (int r = threadIdx.x; r < nq; r += kThreads) {
     const int64_t i = order ? order[r0 + r] : r0 + r;
     qpos[r] = i >= 0 && i < L ? i : -1;  // not a permutation entry: no keys
   }
   __syncthreads();
+  if constexpr (kBand) {
+    const int64_t n = p.batch * p.nheads * L;
+    for (int r = threadIdx.x; r < kQ; r += kThreads) {
+      int lo = 0, len = 0;
+      if (r < nq && qpos[r] >= 0) {
+        lo = p.band[bh * L + r0 + r];
+        const int last = p.band[n + bh * L + r0 + r];
+        len = last >= lo ? last - lo + 1 : 0;
+      }
+      band_lo[r] = lo, band_len[r] = len;
+      if (len > 0) atomicMin(&span_lo, lo), atomicMax(&span_hi, lo + len);
+    }
+    for (int w = threadIdx.x; w < kSpan / 32; w += kThreads) cov[w] = 0;
+  }
   if constexpr (kStaged) {
     // Rows of `src` (n entries a row) into columns off .. off + n of the staged rows (K wide).
     auto stage = [&](const int32_t* src, int n, int off) {
@@ -103,28 +134,85 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     const int64_t i = qpos[r];
     return i >= 0 ? idx + i * Ka : nullptr;  // (no idx_b here: K = Ka)
   };
-  for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1;
+  for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1, rank[i] = -1;
   if (threadIdx.x == 0) count = 0, filled = 0;
   __syncthreads();
 
   const int64_t Lk = p.keylen;
+  // Inserts `key` into the hash set if absent; a new key takes rank `rk` (-1: ranked below).
+  // Returns false when the key was there already.
+  auto insert = [&](int32_t key, int rk) {
+    for (int h = hash_slot(key);; h = (h + 1) & (kHash - 1)) {
+      int32_t cur = *(volatile int32_t*)&table[h];
+      if (cur == -1) {
+        cur = atomicCAS(&table[h], -1, key);
+        if (cur == -1) {
+          rank[h] = (int16_t)rk;
+          return true;
+        }
+      }
+      if (cur == key) return false;
+    }
+  };
+  // kBand: whether the band's keys go by the bitmap (`covered`), and then how many there are.
+  bool covered = false;
+  int n_band = 0;
+  const int32_t* band_pos = kBand ? p.band_pos + bh * Lk : nullptr;
+  if constexpr (kBand) {
+    const bool any = span_hi > span_lo;
+    covered = !any || (int64_t)span_hi - span_lo <= kSpan;
+    if (any && covered) {
+      for (int r = threadIdx.x; r < nq; r += kThreads)
+        for (int a = band_lo[r] - span_lo, e = a + band_len[r]; a < e;) {
+          const int w = a / 32, stop = e < (w + 1) * 32 ? e : (w + 1) * 32;
+          const uint32_t run = stop - a == 32 ? 0xffffffffu : ((1u << (stop - a)) - 1u) << (a % 32);
+          atomicOr(&cov[w], run);
+          a = stop;
+        }
+      __syncthreads();
+      static_assert(kSpan / 32 == 32, "one warp scans the bitmap's words");
+      if (warp == 0) {
+        const int c = __popc(cov[lane]);
+        int incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        cov_before[lane] = incl - c;
+        if (lane == 31) count = incl;
+      }
+      __syncthreads();
+      n_band = count;
+      if (n_band <= kU)  // (else the block overflows: count > kU)
+        for (int sb = threadIdx.x; sb < span_hi - span_lo; sb += kThreads) {
+          const uint32_t word = cov[sb / 32];
+          if (!((word >> (sb % 32)) & 1u)) continue;
+          const int rk = cov_before[sb / 32] + __popc(word & ((1u << (sb % 32)) - 1u));
+          const int32_t key = band_pos[span_lo + sb];
+          const bool ok = key >= 0 && key < Lk;  // (positions of the row; unchecked input)
+          keys[rk] = ok ? key : -1;
+          if (ok) insert(key, rk);
+        }
+      __syncthreads();
+    }
+  }
+  // The entries a query lists one by one: a band's keys when not covered, then its list.
+  auto band_entries = [&](int r) { return kBand && !covered && r < nq ? band_len[r] : 0; };
+  auto entry = [&](int r, const int32_t* list, int na, int64_t t) -> int32_t {
+    if (t < na) return band_pos[band_lo[r] + t];
+    return list && t - na < K ? list[t - na] : -1;
+  };
+
   for (int r = warp; r < nq; r += kWarps) {
     const int32_t* list = list_of(r);
-    for (int64_t t0 = 0; list && t0 < K; t0 += 32) {
+    const int na = band_entries(r);
+    const int64_t total = na + (list ? K : 0);
+    for (int64_t t0 = 0; t0 < total; t0 += 32) {
       if (*(volatile int*)&count > kU) break;
-      const int32_t key = t0 + lane < K ? list[t0 + lane] : -1;
+      const int32_t key = t0 + lane < total ? entry(r, list, na, t0 + lane) : -1;
       if (key < 0 || key >= Lk) continue;  // -1, or out of range (unchecked input): no key
-      for (int h = hash_slot(key);; h = (h + 1) & (kHash - 1)) {
-        int32_t cur = *(volatile int32_t*)&table[h];
-        if (cur == -1) {
-          cur = atomicCAS(&table[h], -1, key);
-          if (cur == -1) {
-            atomicAdd(&count, 1);
-            break;
-          }
-        }
-        if (cur == key) break;
-      }
+      if (insert(key, -1)) atomicAdd(&count, 1);
     }
   }
   __syncthreads();
@@ -135,12 +223,17 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   }
 
   if constexpr (!kSorted) {
-    // The union in hash-slot order (not ascending; see above): a block-wide exclusive scan of
-    // the occupied slots, thread x owning slots 4x .. 4x + 3, gives each key its rank directly.
+    // The keys not ranked yet (all of them without a band) in hash-slot order (not ascending; see
+    // above): a block-wide exclusive scan of those slots, thread x owning slots 4x .. 4x + 3,
+    // gives each its rank directly, after the band's.
     static_assert(kHash == 4 * kThreads, "four hash slots a thread");
     __shared__ int warp_sum[kWarps];
     const int4 slots = reinterpret_cast<const int4*>(table)[threadIdx.x];
-    const int mine = (slots.x >= 0) + (slots.y >= 0) + (slots.z >= 0) + (slots.w >= 0);
+    const int32_t sk[4] = {slots.x, slots.y, slots.z, slots.w};
+    bool fresh[4];
+    int mine = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fresh[e] = sk[e] >= 0 && rank[4 * threadIdx.x + e] < 0, mine += fresh[e];
     int incl = mine;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -149,12 +242,11 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     }
     if (lane == 31) warp_sum[warp] = incl;
     __syncthreads();
-    int at = incl - mine;
+    int at = n_band + incl - mine;
     for (int w = 0; w < warp; ++w) at += warp_sum[w];
-    const int32_t sk[4] = {slots.x, slots.y, slots.z, slots.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (sk[e] >= 0) keys[at] = sk[e], rank[4 * threadIdx.x + e] = (int16_t)at, ++at;
+      if (fresh[e]) keys[at] = sk[e], rank[4 * threadIdx.x + e] = (int16_t)at, ++at;
     __syncthreads();
   } else {
     for (int i = threadIdx.x; i < kHash; i += kThreads)
@@ -188,16 +280,28 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   const int ntiles = (u + 63) / 64;
   for (int r = warp; r < kQ; r += kWarps) {
     const int32_t* list = r < nq ? list_of(r) : nullptr;  // (rows past L: zero masks)
+    const int na = band_entries(r);
+    const int64_t total = na + (list ? K : 0);
     unsigned long long bits[kTiles] = {};
-    for (int64_t t0 = 0; list && t0 < K; t0 += 32) {
-      const int32_t key = t0 + lane < K ? list[t0 + lane] : -1;
+    for (int64_t t0 = 0; t0 < total; t0 += 32) {
+      const int32_t key = t0 + lane < total ? entry(r, list, na, t0 + lane) : -1;
       if (key < 0 || key >= Lk) continue;
       int h = hash_slot(key);  // the key is in the set (the block did not overflow)
       while (table[h] != key) h = (h + 1) & (kHash - 1);
-      const int lo = rank[h];  // its position in the sorted union
+      const int lo = rank[h];  // its position in the union
       const unsigned long long bit = 1ull << (lo % 64);
 #pragma unroll
       for (int tt = 0; tt < kTiles; ++tt) bits[tt] |= lo / 64 == tt ? bit : 0ull;
+    }
+    if (kBand && covered && lane == 0 && r < nq && band_len[r] > 0) {
+      // The band's keys: ranks lo .. hi - 1 (consecutive marks of the bitmap), one run of bits.
+      const int sb = band_lo[r] - span_lo;
+      const int lo = cov_before[sb / 32] + __popc(cov[sb / 32] & ((1u << (sb % 32)) - 1u)), hi = lo + band_len[r];
+#pragma unroll
+      for (int tt = 0; tt < kTiles; ++tt) {
+        const int a = lo > 64 * tt ? lo : 64 * tt, e = hi < 64 * tt + 64 ? hi : 64 * tt + 64;
+        if (a < e) bits[tt] |= (e - a == 64 ? ~0ull : ((1ull << (e - a)) - 1ull)) << (a - 64 * tt);
+      }
     }
 #pragma unroll
     for (int tt = 0; tt < kTiles; ++tt) {
@@ -226,19 +330,24 @@ void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTi
                              std::to_string(p.maxkeys_b) + " keys exceed the " + std::to_string(kMaxStagedKeys) +
                              " a query the union's plan stages");
   const auto s = (cudaStream_t)stream;
-  auto launch = [&](auto staged, auto sort) {
-    constexpr bool kStaged = decltype(staged)::value, kSorted = decltype(sort)::value;
+  if (p.band && (p.idx_b || sorted || K > kMaxStagedKeys || !p.band_pos))
+    throw std::runtime_error("sparse_attention tile plan: a band needs band_pos, no idx_b, an unsorted plan and a list "
+                             "of at most " + std::to_string(kMaxStagedKeys) + " keys (has " + std::to_string(K) + ")");
+  auto launch = [&](auto staged, auto sort, auto band) {
+    constexpr bool kStaged = decltype(staged)::value, kSorted = decltype(sort)::value, kBand = decltype(band)::value;
+    const auto kernel = tile_plan_kernel<kStaged, kSorted, kBand>;
     const size_t smem = kStaged ? sizeof(int32_t) * kQ * (size_t)K : 0;
-    if (kStaged) cuda::allow_smem(tile_plan_kernel<kStaged, kSorted>, smem, "sparse_attention tile plan", kStaticSmem);
-    tile_plan_kernel<kStaged, kSorted><<<(unsigned)grid, kThreads, smem, s>>>(p, plan, nblk);
+    if (kStaged) cuda::allow_smem(kernel, smem, "sparse_attention tile plan", kStaticSmem);
+    kernel<<<(unsigned)grid, kThreads, smem, s>>>(p, plan, nblk);
   };
   using T = std::true_type;
   using F = std::false_type;
   const bool staged = K <= kMaxStagedKeys;
-  if (staged && sorted) launch(T{}, T{});
-  else if (staged) launch(T{}, F{});
-  else if (sorted) launch(F{}, T{});
-  else launch(F{}, F{});
+  if (p.band) launch(T{}, F{}, T{});
+  else if (staged && sorted) launch(T{}, T{}, F{});
+  else if (staged) launch(T{}, F{}, F{});
+  else if (sorted) launch(F{}, T{}, F{});
+  else launch(F{}, F{}, F{});
   cuda::check_launch("sparse_attention tile plan");
 }
 
