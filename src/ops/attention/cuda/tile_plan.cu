@@ -19,8 +19,8 @@
 //      the rank probes were a quarter of the kernel's time);
 //   3. each warp looks up the ranks of its query's keys in the hash set (a probe or two, where a
 //      binary search over the union took 9 dependent steps: the kernel is bound by its instruction
-//      count) and ORs the bits of each 64-key tile across the warp (__reduce_or_sync): no atomics,
-//      one store per (query, tile).
+//      count) and sets each key's bit in the block's mask words in shared memory (a 32-bit
+//      atomicOr); the block then stores the words coalesced.
 // With a band (AttentionParams::band, the plan of HAX's union: LSH's band beside Key Selection's
 // lists in p.idx), the band's keys enter first. When a block's bands span at most kSpan sorted
 // keys, a bitmap over that span marks them (each query's band is a run of consecutive bits), the
@@ -56,7 +56,8 @@ static_assert(kHash >= kU + 32 * kWarps, "the hash set must hold every key inser
 // A bound on the kernel's static shared memory (table, keys, rank, qpos and a few ints), which
 // counts with the staged lists against the default 48 KB (cuda::allow_smem).
 constexpr int kSpan = (int)kAttentionPlanBandSpan;  // bits of the band bitmap
-constexpr size_t kStaticSmem = 4 * (kHash + kU) + 2 * kHash + 8 * kQ + 8 * kQ + 8 * (kSpan / 32) + 256;
+constexpr size_t kStaticSmem =
+    4 * (kHash + kU) + 2 * kHash + 8 * kQ + 8 * kQ + 8 * (kSpan / 32) + 8 * kTiles * kQ + 256;
 constexpr int kMaxStagedKeys = (int)kAttentionPlanMaxStagedKeys;  // K up to which the lists are staged (96 KB)
 
 // Slot of a key: the top 10 bits of a multiplicative hash.
@@ -76,6 +77,7 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   __shared__ int32_t band_lo[kBand ? kQ : 1], band_len[kBand ? kQ : 1];
   __shared__ uint32_t cov[kBand ? kSpan / 32 : 1], cov_before[kBand ? kSpan / 32 : 1];
   __shared__ int span_lo, span_hi;
+  __shared__ __align__(8) uint32_t smask[2 * kTiles * kQ];  // the plan's mask words (tile, query) as 32-bit halves
   extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists (with idx_b: a's, then b's)
   const int64_t bh = blockIdx.x / nblk, blk = blockIdx.x % nblk, L = p.seqlen;
   const int64_t Ka = p.maxkeys, Kb = p.idx_b ? p.maxkeys_b : 0, K = Ka + Kb;  // (idx_b: staged only)
@@ -135,6 +137,7 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     return i >= 0 ? idx + i * Ka : nullptr;  // (no idx_b here: K = Ka)
   };
   for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1, rank[i] = -1;
+  for (int i = threadIdx.x; i < 2 * kTiles * kQ; i += kThreads) smask[i] = 0;
   if (threadIdx.x == 0) count = 0, filled = 0;
   __syncthreads();
 
@@ -276,42 +279,37 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     __syncthreads();
   }
 
-  unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
-  const int ntiles = (u + 63) / 64;
-  for (int r = warp; r < kQ; r += kWarps) {
-    const int32_t* list = r < nq ? list_of(r) : nullptr;  // (rows past L: zero masks)
+  // Step 3: each key sets its bit in the block's mask words in shared memory (smask, zeroed with
+  // the table), one 32-bit atomicOr on the word's half; a covered band sets its run of ranks, 32
+  // bits at a time. Then the block writes its mask words out, coalesced. (Each warp ORing 8 tile
+  // words per key in registers and reducing them across the warp made the kernel issue-bound.)
+  for (int r = warp; r < nq; r += kWarps) {
+    const int32_t* list = list_of(r);
     const int na = band_entries(r);
     const int64_t total = na + (list ? K : 0);
-    unsigned long long bits[kTiles] = {};
+    uint32_t* row = smask + 2 * r;  // row[2 (tt kQ) + half]: query r's mask word of tile tt
     for (int64_t t0 = 0; t0 < total; t0 += 32) {
       const int32_t key = t0 + lane < total ? entry(r, list, na, t0 + lane) : -1;
       if (key < 0 || key >= Lk) continue;
       int h = hash_slot(key);  // the key is in the set (the block did not overflow)
       while (table[h] != key) h = (h + 1) & (kHash - 1);
       const int lo = rank[h];  // its position in the union
-      const unsigned long long bit = 1ull << (lo % 64);
-#pragma unroll
-      for (int tt = 0; tt < kTiles; ++tt) bits[tt] |= lo / 64 == tt ? bit : 0ull;
+      atomicOr(row + 2 * kQ * (lo / 64) + (lo % 64) / 32, 1u << (lo % 32));
     }
-    if (kBand && covered && lane == 0 && r < nq && band_len[r] > 0) {
-      // The band's keys: ranks lo .. hi - 1 (consecutive marks of the bitmap), one run of bits.
+    if (kBand && covered && band_len[r] > 0) {
+      // The band's keys: ranks lo .. hi - 1 (consecutive marks of the bitmap), one run of bits;
+      // lane x sets its part of the run's 32-bit word lo / 32 + x.
       const int sb = band_lo[r] - span_lo;
       const int lo = cov_before[sb / 32] + __popc(cov[sb / 32] & ((1u << (sb % 32)) - 1u)), hi = lo + band_len[r];
-#pragma unroll
-      for (int tt = 0; tt < kTiles; ++tt) {
-        const int a = lo > 64 * tt ? lo : 64 * tt, e = hi < 64 * tt + 64 ? hi : 64 * tt + 64;
-        if (a < e) bits[tt] |= (e - a == 64 ? ~0ull : ((1ull << (e - a)) - 1ull)) << (a - 64 * tt);
-      }
-    }
-#pragma unroll
-    for (int tt = 0; tt < kTiles; ++tt) {
-      if (tt < ntiles) {  // warp-uniform
-        const unsigned lo32 = __reduce_or_sync(0xffffffffu, (unsigned)bits[tt]);
-        const unsigned hi32 = __reduce_or_sync(0xffffffffu, (unsigned)(bits[tt] >> 32));
-        if (lane == 0) mout[tt * kQ + r] = (unsigned long long)lo32 | ((unsigned long long)hi32 << 32);
-      }
+      const int w = lo / 32 + lane, a = lo > 32 * w ? lo : 32 * w, e = hi < 32 * w + 32 ? hi : 32 * w + 32;
+      if (a < e)
+        atomicOr(row + 2 * kQ * (w / 2) + w % 2, (e - a == 32 ? 0xffffffffu : (1u << (e - a)) - 1u) << (a - 32 * w));
     }
   }
+  __syncthreads();
+  unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
+  const unsigned long long* words = reinterpret_cast<const unsigned long long*>(smask);
+  for (int i = threadIdx.x; i < (u + 63) / 64 * kQ; i += kThreads) mout[i] = words[i];  // (rows past L: zero)
   int32_t* kout = plan.keys + (int64_t)blockIdx.x * kU;
   for (int i = threadIdx.x; i < kU; i += kThreads) kout[i] = i < u ? keys[i] : -1;
   if (threadIdx.x == 0) plan.count[blockIdx.x] = u;
