@@ -94,7 +94,8 @@ std::vector<patterns::KeyLists> SparseAttentionBranch::part_lists(const at::Tens
 
 namespace {
 
-// Whether the GPU runs LSH as a band (layers/lsh_attention.h) for a pattern of `parts` parts:
+// HAX_LSH_BAND (lsh_band_mode: -1 unset, 0 or 1), and whether the GPU runs LSH as a band
+// attention (layers/lsh_attention.h) for a pattern of `parts` parts (lsh_as_band):
 // HAX_LSH_BAND unset: LSH alone only. HAX (LSH with Key Selection) measured faster through the
 // merged lists on the H100 at 64K, k = 64, fwd+bwd: 5.98 ms, against 6.30 for the band beside Key
 // Selection's blocks less the band's keys (BENCHMARKS.md, twelfth pass: the band's row permutes,
@@ -225,8 +226,9 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     auto [o2, lse2] = ops::sparse_attention(q, k, vh, rest.idx, {}, {}, {}, 1.0);
     return ops::join_by_lse(o1, lse1, o2, lse2);
   }
-  // GPU, two parts (HAX): the tile plan is built from both lists at once, and only the queries of
-  // the blocks whose union overflows get merged lists (for the per-query kernels).
+  // GPU, two parts (HAX with HAX_LSH_BAND=0 or more than 32 keys a part, or two list parts): the
+  // tile plan is built from both lists at once, and only the queries of the blocks whose union
+  // overflows get merged lists (for the per-query kernels).
   if (vh.is_cuda() && parts.size() == 2 && !(ctx && ctx->record) &&
       ops::sparse_attention_union_native(q, vh, parts[0].idx.size(3), parts[1].idx.size(3))) {
     const patterns::KeyLists &a = parts[0], &b = parts[1];
