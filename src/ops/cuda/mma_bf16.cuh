@@ -148,6 +148,19 @@ __device__ __forceinline__ void warp_dot(float (&s)[NT][4], const bf16* X, int r
   warp_dot<DB, NT, Padded<S>>(s, X, r0, Y, live);
 }
 
+// acc (16, DB) += A Y[k0..k0+15, :DB]: one 16-wide k step, A in an A fragment, Y (k, n) laid out
+// by Lay.
+template <int DB, class Lay>
+__device__ __forceinline__ void mma_row_kn(float (&acc)[DB / 8][4], const uint32_t (&a)[4], const bf16* Y, int k0) {
+#pragma unroll
+  for (int nt = 0; nt < DB / 8; nt += 2) {
+    uint32_t b[4];
+    load_b_kn2<Lay>(b, Y, k0, nt * 8);
+    mma(acc[nt], a, b[0], b[1]);
+    mma(acc[nt + 1], a, b[2], b[3]);
+  }
+}
+
 // acc (16, DB) += P (16, 16 KT, in C fragments) Y[0..16 KT, :DB] (Y laid out by Lay). `live`
 // bit kk off: P's columns 16kk..16kk+15 are zero and skipped.
 template <int DB, int NT, class Lay, bool kSkip>
@@ -159,13 +172,7 @@ __device__ __forceinline__ void warp_accumulate_cols(float (&acc)[DB / 8][4], co
     if (kSkip && !((live >> kk) & 1u)) continue;
     uint32_t a[4];
     c_to_a<NT>(a, pc, kk);
-#pragma unroll
-    for (int nt = 0; nt < DB / 8; nt += 2) {
-      uint32_t b[4];
-      load_b_kn2<Lay>(b, Y, kk * 16, nt * 8);
-      mma(acc[nt], a, b[0], b[1]);
-      mma(acc[nt + 1], a, b[2], b[3]);
-    }
+    mma_row_kn<DB, Lay>(acc, a, Y, kk * 16);
   }
 }
 template <int DB, int NT, class Lay>
@@ -192,13 +199,7 @@ __device__ __forceinline__ void warp_accumulate_tn(float (&acc)[DB / 8][4], cons
   for (int kk = 0; kk < KT; ++kk) {
     uint32_t a[4];
     load_a_trans<LayX>(a, X, r0, kk * 16);
-#pragma unroll
-    for (int nt = 0; nt < DB / 8; nt += 2) {
-      uint32_t b[4];
-      load_b_kn2<LayY>(b, Y, kk * 16, nt * 8);
-      mma(acc[nt], a, b[0], b[1]);
-      mma(acc[nt + 1], a, b[2], b[3]);
-    }
+    mma_row_kn<DB, LayY>(acc, a, Y, kk * 16);
   }
 }
 

@@ -59,6 +59,20 @@ __device__ __forceinline__ int count_below(const int32_t* x, int n, int32_t v, b
   return lo;
 }
 
+// A warp writes the sorted entries tm[0..n) to dst without repeats, then -1 up to K slots.
+__device__ __forceinline__ void write_distinct(const int32_t* tm, int n, int32_t* dst, int K, int lane) {
+  int filled = 0;
+  for (int t0 = 0; t0 < n; t0 += 32) {
+    const int t = t0 + lane;
+    const int32_t v = t < n ? tm[t] : -1;
+    const bool keep = t < n && (t == 0 || tm[t - 1] != v);
+    const unsigned m = __ballot_sync(dev::kFullMask, keep);
+    if (keep) dst[filled + __popc(m & ((1u << lane) - 1))] = v;
+    filled += __popc(m);
+  }
+  for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
+}
+
 __global__ void merge_warp_kernel(MergeListsParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int Ka = (int)p.Ka, Kb = (int)p.Kb, K = Ka + Kb;
@@ -77,17 +91,7 @@ __global__ void merge_warp_kernel(MergeListsParams p) {
     for (int t = lane; t < na; t += 32) tm[t + count_below(tb, nb, ta[t], false)] = ta[t];
     for (int t = lane; t < nb; t += 32) tm[t + count_below(ta, na, tb[t], true)] = tb[t];
     __syncwarp();
-    int32_t* dst = p.out + r * K;
-    int filled = 0;
-    for (int t0 = 0; t0 < n; t0 += 32) {
-      const int t = t0 + lane;
-      const int32_t v = t < n ? tm[t] : -1;
-      const bool keep = t < n && (t == 0 || tm[t - 1] != v);
-      const unsigned m = __ballot_sync(dev::kFullMask, keep);
-      if (keep) dst[filled + __popc(m & ((1u << lane) - 1))] = v;
-      filled += __popc(m);
-    }
-    for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
+    write_distinct(tm, n, p.out + r * K, K, lane);
     __syncwarp();  // the warp's shared rows are read before the next row's loads
   }
 }
@@ -115,16 +119,7 @@ __device__ __forceinline__ void merge_small_row(int32_t ca, int32_t cb, int Ka, 
   if (lane < na) tm[lane + count_below(tb, nb, ca, false)] = ca;
   if (lane < nb) tm[lane + count_below(ta, na, cb, true)] = cb;
   __syncwarp();
-  int filled = 0;
-  for (int t0 = 0; t0 < n; t0 += 32) {
-    const int t = t0 + lane;
-    const int32_t v = t < n ? tm[t] : -1;
-    const bool keep = t < n && (t == 0 || tm[t - 1] != v);
-    const unsigned m = __ballot_sync(dev::kFullMask, keep);
-    if (keep) dst[filled + __popc(m & ((1u << lane) - 1))] = v;
-    filled += __popc(m);
-  }
-  for (int t = filled + lane; t < K; t += 32) dst[t] = -1;
+  write_distinct(tm, n, dst, K, lane);
   __syncwarp();  // the warp's shared rows are read before the next row's stores
 }
 
