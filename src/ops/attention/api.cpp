@@ -522,8 +522,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor&
             "0 < Ka, Kb with Ka + Kb = {} <= {} (Ka = {}, Kb = {})",
             kUnion, Ka + Kb, kAttentionPlanMaxStagedKeys, Ka, Kb);
   HAX_CHECK(q_order.defined(), "{}: q_order is needed (band rows are ranks in q_order)", kUnion);
-  check_inputs(q, k, v, idx_b, {}, {}, q_order, scale);
-  Inputs in = prepare(q, k, v, idx_b, {}, {}, q_order, scale);
+  Inputs in = prepare(q, k, v, idx_b, {}, {}, q_order, scale);  // (checks q, k, v, idx_b, q_order)
   const Dims& d = in.d;
   check_rank(kUnion, "band", band, 4, "(2 or more, B, H, L)");
   HAX_CHECK(band.size(0) >= 2 && band.size(1) == d.B && band.size(2) == d.H && band.size(3) == d.L,
