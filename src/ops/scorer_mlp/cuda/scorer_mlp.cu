@@ -208,10 +208,9 @@ LaunchShape launch_shape(int64_t half) {
   while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
   const size_t bytes = smem_layout(half, HID, sh.warps).bytes;
   cuda::allow_smem(scorer_mlp_kernel<HID>, bytes, "scorer_mlp");
-  int per_sm = 0, sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, bytes);
-  sh.fit = (int64_t)std::max(1, per_sm) * std::max(1, sms);
+  sh.fit = (int64_t)std::max(1, per_sm) * cuda::sm_count();
   cache.emplace(key, sh);
   return sh;
 }
