@@ -122,14 +122,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(SsdParams p, S
 }
 
 // Local states of the sub-chunks, (N, P) per (row, head, sub-chunk):
-//   forward (kGrad false): out(n, p) = Σ_j (w_j dt_j B_j[n]) x_j[p]     (S_leave with S_enter = 0)
-//   backward (kGrad true): out(n, p) = Σ_i (re_i C_i[n]) dy_i[p]        (dS_enter from y's inter-chunk term)
-// The bracket is the computed (split) operand, x or dy enters as is.
+//   forward (kGrad false): out(n, p) = Σ_j coef_j U_j[n] V_j[p],  coef_j = w_j dt_j, U = B, V = x
+//                                                                     (S_leave with S_enter = 0)
+//   backward (kGrad true): same with coef_i = re_i, U = C, V = dy     (dS_enter from y's inter-chunk term)
 // Grid: (S * B * H, ceil(P / 64)); block s + S (b H + h) stages its 64 columns of V once and
 // loops over 64-row tiles of N. `out` holds (B, H, S, N, P) in x's dtype (the float32 product
-// rounded once).
+// rounded once). Two forms:
+//   - bfloat16 with kVec (local_state_kn): coef goes on the V side, staged once as the split
+//     operand coef_j V_j[q] in a [j][q] tile (one 16-byte store per octet and half); U enters raw,
+//     copied by cp.async in global memory's [j][n] layout, double-buffered over the n tiles (the
+//     first two issued before V is staged); both operands are read by ldmatrix.trans
+//     (mma_slab_tt_split_b).
+//   - otherwise (local_state_staged): coef U is the computed (split) operand, staged [n][j] for
+//     every n tile, and V [q][j] once.
+
+// The staged form: A(n, j) = coef_j U_j[n] per n tile (hi + lo), B(q, j) = V_j[q].
 template <class T, bool kGrad, bool kVec>
-__global__ void __launch_bounds__(kThreads, kMinLocal) local_state_kernel(SsdParams p, SsdScratch w, const T* v_src, T* out) {
+__device__ __forceinline__ void local_state_staged(const SsdParams& p, const SsdScratch& w, const T* v_src, T* out) {
   using S_t = typename Operand<T>::S;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sL[kLoSize<T>];
@@ -184,6 +193,107 @@ __global__ void __launch_bounds__(kThreads, kMinLocal) local_state_kernel(SsdPar
     });
     __syncthreads();  // every warp is done with sA, sL before the next n tile
   }
+}
+
+// The bfloat16 form with vectorized staging (P and N multiples of 8, x, B, C, dy 16-byte aligned):
+//   sV, sVl (j, q) = coef_j V_j[p0 + q] as hi + lo   (zeros for j >= len or p0 + q >= P)
+//   sU[t % 2] (j, n) = U_j[64 t + n], raw by cp.async (zeros for j >= len or 64 t + n >= N)
+// and out tile t (n, q) = Σ_{j < ks} sU(j, n) (sV + sVl)(j, q).
+template <bool kGrad>
+__device__ __forceinline__ void local_state_kn(const SsdParams& p, const SsdScratch& w, const __nv_bfloat16* v_src,
+                                               __nv_bfloat16* out) {
+  using bf16 = __nv_bfloat16;
+  using Copy = cuda::TileCopy<kT, kT, kThreads>;
+  constexpr int ld = Operand<bf16>::kLd;
+  __shared__ __align__(16) bf16 sU0[kSlabSize<bf16>];  // the two U buffers, [j][n]
+  __shared__ __align__(16) bf16 sU1[kSlabSize<bf16>];
+  __shared__ __align__(16) bf16 sV[kSlabSize<bf16>];  // coef V, [j][q]: hi
+  __shared__ __align__(16) bf16 sVl[kSlabSize<bf16>];  // and lo
+  __shared__ float coef[kT];
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
+  const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
+  const int64_t p0 = (int64_t)blockIdx.y * kT;
+  const Sub u = sub_of(p, b, s);
+  const int64_t ldu = G * N, ldv = H * P;  // between steps
+  const bf16* U = (const bf16*)(kGrad ? p.Cm : p.Bm) + ((b * p.seqlen + u.t0) * G + g) * N;
+  const int tiles = (int)((N + kT - 1) / kT);
+  // Tile t of U: rows j < len, columns n < min(64, N - 64 t), one commit group.
+  auto issue = [&](int t) {
+    const int64_t n0 = (int64_t)t * kT;
+    Copy::template rows<ld>(t & 1 ? sU1 : sU0, U + n0, ldu, 0, u.len, (int)(N - n0 < kT ? N - n0 : kT));
+    cuda::cp_async_commit();
+  };
+  issue(0);
+  if (tiles > 1) issue(1);
+  // V's octets (row j, columns q .. q + 7) in flight while coef is computed.
+  const bf16* V = v_src + ((b * p.seqlen + u.t0) * H + h) * P + p0;
+  uint4 raw[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    int j, q;
+    oct_pos<true>(e, j, q);
+    raw[e] = make_uint4(0u, 0u, 0u, 0u);
+    if (j < u.len && p0 + q < P) raw[e] = __ldg(reinterpret_cast<const uint4*>(V + j * ldv + q));
+  }
+  if (threadIdx.x < kT) {  // the values of load_steps, read directly
+    const int i = threadIdx.x;
+    float c = 0.f;
+    if (i < u.len) {
+      const int32_t si = p.seq_idx ? p.seq_idx[b * p.seqlen + u.t0 + i] : 0;
+      const float* cs = w.cs + ((b * H + h) * S + s) * kT;
+      const float dt = to_f32(((const bf16*)p.dt)[(b * p.seqlen + u.t0 + i) * H + h]);
+      if (kGrad) c = si == u.s_prev ? expf(cs[i]) : 0.f;
+      else c = si == u.s_last ? expf(cs[u.len - 1] - cs[i]) * dt : 0.f;
+    }
+    coef[i] = c;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    int j, q;
+    oct_pos<true>(e, j, q);
+    const float c = coef[j];
+    const uint32_t r[4] = {raw[e].x, raw[e].y, raw[e].z, raw[e].w};
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[2 * k] = __uint_as_float(r[k] << 16) * c;
+      v[2 * k + 1] = __uint_as_float(r[k] & 0xffff0000u) * c;
+    }
+    store8<true, true>(sV, sVl, j, q, v);
+  }
+  const int ks = round16(u.len);
+  // Entry (n0 + n, p0 + q) of the sub-chunk's state at o[n0 P] + n P + q; P is even here (kVec).
+  bf16* o = out + (bh * S + s) * N * P + p0;
+  const int Pi = (int)P, kp = (int)(P - p0 < kT ? P - p0 : kT);
+  const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(bf16)) == 0;
+#pragma unroll 1
+  for (int t = 0; t < tiles; ++t) {
+    if (t + 1 < tiles) cuda::cp_async_wait<1>();  // tile t + 1 is the only group that may be in flight
+    else cuda::cp_async_wait<0>();
+    __syncthreads();  // tile t (and, at t = 0, sV, sVl) visible to every warp
+    Acc acc;
+    acc.zero();
+    mma_slab_tt_split_b(acc, t & 1 ? sU1 : sU0, sV, sVl, ks);
+    const int64_t n0 = (int64_t)t * kT;
+    const int kn = (int)(N - n0 < kT ? N - n0 : kT);
+    bf16* ot = o + n0 * P;
+    for_each_pair([&](int mi, int ni, int rp, int n, int q) {
+      const bool ok0 = n < kn && q < kp, ok1 = ok0 && q + 1 < kp;
+      store_pair(ot + n * Pi + q, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1, ok1 && pairs);
+    });
+    if (t + 2 < tiles) {
+      __syncthreads();  // every warp is done with buffer t % 2
+      issue(t + 2);
+    }
+  }
+}
+
+template <class T, bool kGrad, bool kVec>
+__global__ void __launch_bounds__(kThreads, kMinLocal)
+    local_state_kernel(SsdParams p, SsdScratch w, const T* v_src, T* out) {
+  if constexpr (kVec && std::is_same_v<T, __nv_bfloat16>) local_state_kn<kGrad>(p, w, v_src, out);
+  else local_state_staged<T, kGrad, kVec>(p, w, v_src, out);
 }
 
 // V consecutive state entries moved as one load or store: 16 bytes (V = 16 / sizeof(T)) or a

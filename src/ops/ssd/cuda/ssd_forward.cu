@@ -17,8 +17,11 @@
 // states (N x P per sub-chunk, stored in x's dtype: bfloat16 halves their bytes against float32,
 // and they enter the products once instead of as hi + lo) are the bulk of the traffic: written
 // by 3, read and rewritten by 4 (16-byte accesses, 16 loads per thread in flight), read by 5,
-// which (bfloat16) copies its raw tiles by cp.async, a stage ahead. At L = 64K (B 1, H 16, P 64,
-// N 128, bf16) on an H100, ncu: local_state 0.46, pass 0.21, chunk_scan 0.51 ms.
+// which (bfloat16) copies its raw tiles by cp.async, a stage ahead. 3 (bfloat16, kVec) puts the
+// per-step coefficients on x, staged once per block as one 16-byte store per octet and half, and
+// copies B raw by cp.async in its [step][n] layout, two n tiles in flight (chunk.cuh). At L = 64K
+// (B 1, H 16, P 64, N 128, bf16) on an H100, ncu: local_state 0.46 (before that form of 3), pass
+// 0.21, chunk_scan 0.51 ms.
 // Workspace (ssd_cuda_scratch): cs, decays, C B^T (float32), and the entering states of the
 // sub-chunks when a chunk has several (otherwise chunk_states holds them).
 #include "ops/ssd/cuda/chunk.cuh"

@@ -23,9 +23,9 @@
 // per-row factors are applied to the float32 accumulators. The states and state gradients are
 // stored in x's dtype (rounded once from float32, as chunk_states on the CPU and mamba_ssm's
 // kernels) and enter as stored. An operand computed in the kernel in float32 (a decayed mask, a
-// dCB tile, coefficients times B or C) is staged as two bfloat16 halves, hi = bf16(v) and
-// lo = bf16(v - hi), and multiplied twice (stage_split, mma_split_a/b): about 16 significant
-// bits instead of 8.
+// dCB tile, per-step coefficients times B or C, or times x or dy in local_state's vectorized
+// path) is staged as two bfloat16 halves, hi = bf16(v) and lo = bf16(v - hi), and multiplied
+// twice (stage_split, mma_split_a/b, mma_slab_tt_split_b): about 16 significant bits instead of 8.
 #pragma once
 #include <type_traits>
 #include "ops/cuda/common.cuh"
@@ -221,6 +221,51 @@ __device__ __forceinline__ void mma_slab_kn(Acc& acc, const __nv_bfloat16* A, co
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) mma_16816(acc.v[mi][ni], a[mi], b[ni]);
+  }
+}
+
+// cuda::mma::ldsm_x4<true> from a 32-bit shared address.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// acc += A (Bhi + Blo) over k < ks (a multiple of 16) with A stored [k][m] and B [k][n] (rows kLd
+// apart): A a raw operand copied in from global memory contiguous along m, B a computed one
+// split in two halves. Every fragment comes by ldmatrix.x4.trans. A's instruction reads the
+// k16 x m16 block of one mma tile: lane l addresses row k + l % 8 + 8 (l / 16), columns
+// m + 8 ((l / 8) % 2), so its matrices are (k +0, m +0), (+0, +8), (+8, +0), (+8, +8), whose
+// transposes are a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3 (m 8-15, k 8-15)
+// (as load_a_trans in mma_bf16.cuh). B's are read as in mma_slab_kn. Addresses stay 32-bit shared
+// ones (ldsm_x4_trans), and the lo fragments are loaded after the hi products: with generic
+// pointers, or all of a k step's fragments loaded first, local_state spilled at 80 registers.
+__device__ __forceinline__ void mma_slab_tt_split_b(Acc& acc, const __nv_bfloat16* A, const __nv_bfloat16* Bhi,
+                                                    const __nv_bfloat16* Blo, int ks) {
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+  const int lane = lane_id();
+  const uint32_t Al = (uint32_t)__cvta_generic_to_shared(A) +
+                      2 * (((lane & 7) + (lane >> 4) * 8) * ld + warp_m() * 32 + ((lane >> 3) & 1) * 8);
+  const uint32_t bl = 2 * ((((lane >> 3) & 1) * 8 + (lane & 7)) * ld + warp_n() * 32 + (lane >> 4) * 8);
+  const uint32_t Bh = (uint32_t)__cvta_generic_to_shared(Bhi) + bl, Bo = (uint32_t)__cvta_generic_to_shared(Blo) + bl;
+  for (int k = 0; k < ks; k += 16) {
+    uint32_t a[2][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) ldsm_x4_trans(a[mi], Al + 2 * (k * ld + mi * 16));
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // hi, then lo
+      uint32_t b[4][2];
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        uint32_t r[4];
+        ldsm_x4_trans(r, (half ? Bo : Bh) + 2 * (k * ld + nj * 16));
+        b[2 * nj][0] = r[0], b[2 * nj][1] = r[1], b[2 * nj + 1][0] = r[2], b[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) mma_16816(acc.v[mi][ni], a[mi], b[ni]);
+    }
   }
 }
 
