@@ -42,6 +42,9 @@
 // store (the 2-byte stores of the accumulator layout used a quarter of each sector). Static shared
 // memory 48128 bytes a block (was 29696; the static limit is 49152): 4 blocks an SM still fit,
 // and ptxas spills less (4 bytes of stores, was 52). The dx 1.50 ms above is from before this.
+// Then (not yet measured on a GPU), as local_state's vectorized form: dx_kernel (bfloat16, kVec)
+// stages no operand transposed. S and dS enter in their [n][p] layout (S by 16-byte stores, dS by
+// cp.async) and M as [i][j] rows, all read by ldmatrix.trans; same buffers, same shared memory.
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -76,8 +79,13 @@ __device__ __forceinline__ void for_each_entry(const __nv_bfloat16* tile, F&& f)
 // in global memory) come by cp.async at the start of each 64 columns, in flight during the Y
 // product, and the three epilogues read them from shared memory: read from global memory, one
 // 2-byte load per element consumed at once, they were the kernel's main stall (long scoreboard).
-// The intra product takes B(p, i) = dy_i[p] from the dy tile as is ([k][n], mma_slab_kn), and dx
-// goes out through the dy tile once it is done with, in 16-byte runs of its rows.
+// The intra product takes B(p, i) = dy_i[p] from the dy tile as is ([k][n]), and dx goes out
+// through the dy tile once it is done with, in 16-byte runs of its rows. No operand is staged
+// transposed there: S and dS (contiguous along p) are stored [n][q] as they are in global memory,
+// S by one 16-byte store per octet (the same octets of dS give <dS, S>), dS by cp.async, and read
+// by ldmatrix.trans (mma_slab_kn); the mask M is staged [i][j], along cb's contiguous j, one
+// 16-byte store per octet and half, and read by ldmatrix.trans as A (mma_slab_tt, hi then lo).
+// Staged transposed ([q][n] and [j][i]), each octet was 8 scattered 2-byte shared stores.
 // Grid: S * B * H blocks; block s + S (b H + h).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
@@ -85,6 +93,8 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   using S_t = typename Operand<T>::S;
   constexpr bool kTiles = kVec && std::is_same_v<T, __nv_bfloat16>;
   constexpr int ld = Operand<T>::kLd;  // of the tiles too: the epilogues' accesses are conflict-free
+  // sA: C or B [i][n], then M (kTiles: [i][j], else [j][i]) with its lo half in sL; sB: S or dS
+  // (kTiles: [n][q] as in global memory, else [q][n]).
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sL[kLoSize<T>];
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
@@ -142,26 +152,56 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
         stage_op<kVec, true, false>(
             sA, sA, kk, [&](int i, int k) { return i < u.len && k < kn ? to_f32(C[i * ldn + n0 + k]) : 0.f; },
             [&](int i, int k, float(&v)[8]) { load8(C + i * ldn + n0 + k, i < u.len && k < kn, v); });
-        stage_op<kVec, false, false>(
-            sB, sB, kk,
-            [&](int q, int k) {
-              if (k >= kn || p0 + q >= P) return 0.f;
-              const int64_t e = (n0 + k) * P + p0 + q;  // each entry is staged once per block
-              const float v = to_f32(st[e]);
-              dot += v * to_f32(ds[e]);
-              return v;
-            },
-            [&](int q, int k, float(&v)[8]) {
-              const bool in = k < kn && p0 + q < P;
-              const int64_t e = (n0 + k) * P + p0 + q;
-              float d[8];
-              load8(st + e, in, v);
-              load8(ds + e, in, d);
+        if constexpr (kTiles) {
+          // sB (k, q) = S[n0 + k][p0 + q] as stored, one 16-byte store per octet along q; each
+          // entry is staged once per block, so the octets of dS at the same places give <dS, S>.
+          uint4 sr[4], dr[4];
 #pragma unroll
-              for (int m = 0; m < 8; ++m) dot += v[m] * d[m];
-            });
+          for (int e = 0; e < 4; ++e) {
+            int k, q;
+            oct_pos<true>(e, k, q);
+            sr[e] = dr[e] = make_uint4(0u, 0u, 0u, 0u);
+            if (k < kn && p0 + q < P) {
+              const int64_t o = (n0 + k) * P + p0 + q;
+              sr[e] = __ldg(reinterpret_cast<const uint4*>(st + o));
+              dr[e] = __ldg(reinterpret_cast<const uint4*>(ds + o));
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            int k, q;
+            oct_pos<true>(e, k, q);
+            const uint32_t a[4] = {sr[e].x, sr[e].y, sr[e].z, sr[e].w}, d[4] = {dr[e].x, dr[e].y, dr[e].z, dr[e].w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+              dot += __uint_as_float(a[m] << 16) * __uint_as_float(d[m] << 16);
+              dot += __uint_as_float(a[m] & 0xffff0000u) * __uint_as_float(d[m] & 0xffff0000u);
+            }
+            *reinterpret_cast<uint4*>(sB + k * ld + q) = sr[e];
+          }
+        } else {
+          stage_op<kVec, false, false>(
+              sB, sB, kk,
+              [&](int q, int k) {
+                if (k >= kn || p0 + q >= P) return 0.f;
+                const int64_t e = (n0 + k) * P + p0 + q;  // each entry is staged once per block
+                const float v = to_f32(st[e]);
+                dot += v * to_f32(ds[e]);
+                return v;
+              },
+              [&](int q, int k, float(&v)[8]) {
+                const bool in = k < kn && p0 + q < P;
+                const int64_t e = (n0 + k) * P + p0 + q;
+                float d[8];
+                load8(st + e, in, v);
+                load8(ds + e, in, d);
+#pragma unroll
+                for (int m = 0; m < 8; ++m) dot += v[m] * d[m];
+              });
+        }
         __syncthreads();
-        mma_slab(ay, sA, sB, kk);
+        if constexpr (kTiles) mma_slab_kn(ay, sA, sB, kk);  // sB as [k][q]
+        else mma_slab(ay, sA, sB, kk);
         if (kTiles && n0 + kSlab >= N) cuda::cp_async_wait<0>();  // the tiles, published by the barrier
         __syncthreads();
       }
@@ -182,14 +222,24 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
 #pragma unroll 1
     for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
       const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
+      if constexpr (kTiles) {  // sB (k, q) = dS[n0 + k][p0 + q] as stored, by cp.async
+        const int kp = (int)(P - p0 < kT ? P - p0 : kT);
+        cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(sB, ds + n0 * P + p0, P, 0, kn, kp);
+        cuda::cp_async_commit();
+      }
       stage_op<kVec, true, false>(
           sA, sA, kk, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ldn + n0 + k]) : 0.f; },
           [&](int j, int k, float(&v)[8]) { load8(Bm + j * ldn + n0 + k, j < u.len && k < kn, v); });
-      stage_op<kVec, false, false>(
-          sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(ds[(n0 + k) * P + p0 + q]) : 0.f; },
-          [&](int q, int k, float(&v)[8]) { load8(ds + (n0 + k) * P + p0 + q, k < kn && p0 + q < P, v); });
+      if constexpr (kTiles) {
+        cuda::cp_async_wait<0>();  // the only group in flight (the tiles were waited for in Y)
+      } else {
+        stage_op<kVec, false, false>(
+            sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(ds[(n0 + k) * P + p0 + q]) : 0.f; },
+            [&](int q, int k, float(&v)[8]) { load8(ds + (n0 + k) * P + p0 + q, k < kn && p0 + q < P, v); });
+      }
       __syncthreads();
-      mma_slab(ax, sA, sB, kk);
+      if constexpr (kTiles) mma_slab_kn(ax, sA, sB, kk);  // sB as [k][q]
+      else mma_slab(ax, sA, sB, kk);
       __syncthreads();
     }
     if constexpr (kTiles)
@@ -203,27 +253,31 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
         if (i < u.len && p0 + q < P) vpart[rs] += sv.dt[i] * to_f32(x[i * ldx + p0 + q]) * ax.v[mi][ni][r];
       });
     // Intra-sub-chunk part: A(j, i) = M_ij (cb is contiguous along j), B(p, i) = dy_i[p].
-    stage_op<kVec, false, true>(
-        sA, sL, ks,
-        [&](int j, int i) {
-          return i < u.len && j <= i && sv.seq[i] == sv.seq[j] ? cb[i * kT + j] * expf(sv.cs[i] - sv.cs[j]) : 0.f;
-        },
-        [&](int j, int i, float(&v)[8]) {
-          const bool col = i < u.len && j <= i;
-          load8(cb + i * kT + j, col, v);
-          const float ci = sv.cs[i];
-          const int32_t si = sv.seq[i];
+    // mf(j, i) = M_ij; mg(j, i, v): v[e] = M_i,j+e.
+    auto mf = [&](int j, int i) {
+      return i < u.len && j <= i && sv.seq[i] == sv.seq[j] ? cb[i * kT + j] * expf(sv.cs[i] - sv.cs[j]) : 0.f;
+    };
+    auto mg = [&](int j, int i, float(&v)[8]) {
+      const bool col = i < u.len && j <= i;
+      load8(cb + i * kT + j, col, v);
+      const float ci = sv.cs[i];
+      const int32_t si = sv.seq[i];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = col && j + e <= i && si == sv.seq[j + e] ? v[e] * expf(ci - sv.cs[j + e]) : 0.f;
-        });
+      for (int e = 0; e < 8; ++e) v[e] = col && j + e <= i && si == sv.seq[j + e] ? v[e] * expf(ci - sv.cs[j + e]) : 0.f;
+    };
+    if constexpr (kTiles)  // stored [i][j] ([k][m]): rows i, one 16-byte store per octet and half
+      stage_op<true, true, true>(
+          sA, sL, ks, [&](int i, int j) { return mf(j, i); }, [&](int i, int j, float(&v)[8]) { mg(j, i, v); });
+    else  // stored [j][i]
+      stage_op<kVec, false, true>(sA, sL, ks, mf, mg);
     if constexpr (!kTiles)
       stage_op<kVec, false, false>(
           sB, sB, ks, [&](int q, int i) { return i < u.len && p0 + q < P ? to_f32(dy[i * ldx + p0 + q]) : 0.f; },
           [&](int q, int i, float(&v)[8]) { load8(dy + i * ldx + p0 + q, i < u.len && p0 + q < P, v); });
     __syncthreads();
-    if constexpr (kTiles) {  // the dy tile is B as stored ([k][n]); hi then lo, as mma_split_a
-      mma_slab_kn(ax, sA, tDy, ks);
-      mma_slab_kn(ax, sL, tDy, ks);
+    if constexpr (kTiles) {  // A [i][j] and the dy tile as stored ([k][n]); hi then lo, as mma_split_a
+      mma_slab_tt(ax, sA, tDy, ks);
+      mma_slab_tt(ax, sL, tDy, ks);
     } else {
       mma_split_a(ax, sA, sL, sB, ks);
     }

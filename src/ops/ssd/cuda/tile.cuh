@@ -25,7 +25,8 @@
 // kernels) and enter as stored. An operand computed in the kernel in float32 (a decayed mask, a
 // dCB tile, per-step coefficients times B or C, or times x or dy in local_state's vectorized
 // path) is staged as two bfloat16 halves, hi = bf16(v) and lo = bf16(v - hi), and multiplied
-// twice (stage_split, mma_split_a/b, mma_slab_tt_split_b): about 16 significant bits instead of 8.
+// twice (stage_split, mma_split_a/b, mma_slab_tt_split_b, mma_slab_tt once per half): about 16
+// significant bits instead of 8.
 #pragma once
 #include <type_traits>
 #include "ops/cuda/common.cuh"
@@ -231,41 +232,77 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-// acc += A (Bhi + Blo) over k < ks (a multiple of 16) with A stored [k][m] and B [k][n] (rows kLd
-// apart): A a raw operand copied in from global memory contiguous along m, B a computed one
-// split in two halves. Every fragment comes by ldmatrix.x4.trans. A's instruction reads the
-// k16 x m16 block of one mma tile: lane l addresses row k + l % 8 + 8 (l / 16), columns
-// m + 8 ((l / 8) % 2), so its matrices are (k +0, m +0), (+0, +8), (+8, +0), (+8, +8), whose
-// transposes are a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3 (m 8-15, k 8-15)
-// (as load_a_trans in mma_bf16.cuh). B's are read as in mma_slab_kn. Addresses stay 32-bit shared
-// ones (ldsm_x4_trans), and the lo fragments are loaded after the hi products: with generic
-// pointers, or all of a k step's fragments loaded first, local_state spilled at 80 registers.
-__device__ __forceinline__ void mma_slab_tt_split_b(Acc& acc, const __nv_bfloat16* A, const __nv_bfloat16* Bhi,
-                                                    const __nv_bfloat16* Blo, int ks) {
+// Fragments of the products whose A is stored [k][m] (a raw operand copied in contiguous along m,
+// or a computed one staged along m) and whose B is stored [k][n], rows kLd apart, every fragment
+// read by ldmatrix.x4.trans from a 32-bit shared address (ldsm_x4_trans). frag_a_km: A's
+// instruction reads the k16 x m16 block of one mma tile: lane l addresses row k + l % 8 +
+// 8 (l / 16), columns m + 8 ((l / 8) % 2), so its matrices are (k +0, m +0), (+0, +8), (+8, +0),
+// (+8, +8), whose transposes are a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15),
+// a3 (m 8-15, k 8-15) (as load_a_trans in mma_bf16.cuh). frag_b_kn: B's are read as in
+// mma_slab_kn. a_km_lane and b_kn_lane are the lanes' byte offsets at k = 0 in the warp's quarter.
+__device__ __forceinline__ uint32_t a_km_lane() {
   constexpr int ld = Operand<__nv_bfloat16>::kLd;
   const int lane = lane_id();
-  const uint32_t Al = (uint32_t)__cvta_generic_to_shared(A) +
-                      2 * (((lane & 7) + (lane >> 4) * 8) * ld + warp_m() * 32 + ((lane >> 3) & 1) * 8);
-  const uint32_t bl = 2 * ((((lane >> 3) & 1) * 8 + (lane & 7)) * ld + warp_n() * 32 + (lane >> 4) * 8);
+  return 2 * (((lane & 7) + (lane >> 4) * 8) * ld + warp_m() * 32 + ((lane >> 3) & 1) * 8);
+}
+__device__ __forceinline__ uint32_t b_kn_lane() {
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+  const int lane = lane_id();
+  return 2 * ((((lane >> 3) & 1) * 8 + (lane & 7)) * ld + warp_n() * 32 + (lane >> 4) * 8);
+}
+// a[mi] = the A fragment of rows 16 mi.. of the warp's quarter, k .. k + 15 (Al: a_km_lane added).
+__device__ __forceinline__ void frag_a_km(uint32_t (&a)[2][4], uint32_t Al, int k) {
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) ldsm_x4_trans(a[mi], Al + 2 * (k * ld + mi * 16));
+}
+// b[ni] = the B fragment of columns 8 ni.. of the warp's quarter, k .. k + 15 (Bl: b_kn_lane added).
+__device__ __forceinline__ void frag_b_kn(uint32_t (&b)[4][2], uint32_t Bl, int k) {
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+#pragma unroll
+  for (int nj = 0; nj < 2; ++nj) {
+    uint32_t r[4];
+    ldsm_x4_trans(r, Bl + 2 * (k * ld + nj * 16));
+    b[2 * nj][0] = r[0], b[2 * nj][1] = r[1], b[2 * nj + 1][0] = r[2], b[2 * nj + 1][1] = r[3];
+  }
+}
+__device__ __forceinline__ void mma_frags(Acc& acc, const uint32_t (&a)[2][4], const uint32_t (&b)[4][2]) {
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) mma_16816(acc.v[mi][ni], a[mi], b[ni]);
+}
+
+// acc += A (Bhi + Blo) over k < ks (a multiple of 16) with A stored [k][m] and B [k][n]: A a raw
+// operand, B a computed one split in two halves. The lo fragments are loaded after the hi
+// products: with generic pointers, or all of a k step's fragments loaded first, local_state
+// spilled at 80 registers.
+__device__ __forceinline__ void mma_slab_tt_split_b(Acc& acc, const __nv_bfloat16* A, const __nv_bfloat16* Bhi,
+                                                    const __nv_bfloat16* Blo, int ks) {
+  const uint32_t Al = (uint32_t)__cvta_generic_to_shared(A) + a_km_lane(), bl = b_kn_lane();
   const uint32_t Bh = (uint32_t)__cvta_generic_to_shared(Bhi) + bl, Bo = (uint32_t)__cvta_generic_to_shared(Blo) + bl;
   for (int k = 0; k < ks; k += 16) {
     uint32_t a[2][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) ldsm_x4_trans(a[mi], Al + 2 * (k * ld + mi * 16));
+    frag_a_km(a, Al, k);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // hi, then lo
       uint32_t b[4][2];
-#pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {
-        uint32_t r[4];
-        ldsm_x4_trans(r, (half ? Bo : Bh) + 2 * (k * ld + nj * 16));
-        b[2 * nj][0] = r[0], b[2 * nj][1] = r[1], b[2 * nj + 1][0] = r[2], b[2 * nj + 1][1] = r[3];
-      }
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma_16816(acc.v[mi][ni], a[mi], b[ni]);
+      frag_b_kn(b, half ? Bo : Bh, k);
+      mma_frags(acc, a, b);
     }
+  }
+}
+
+// acc += A B over k < ks (a multiple of 16) with A stored [k][m] and B [k][n] (dx_kernel's intra
+// product: A the decayed mask staged along m, once per half of a split operand; B the raw dy tile).
+__device__ __forceinline__ void mma_slab_tt(Acc& acc, const __nv_bfloat16* A, const __nv_bfloat16* B, int ks) {
+  const uint32_t Al = (uint32_t)__cvta_generic_to_shared(A) + a_km_lane();
+  const uint32_t Bl = (uint32_t)__cvta_generic_to_shared(B) + b_kn_lane();
+  for (int k = 0; k < ks; k += 16) {
+    uint32_t a[2][4], b[4][2];
+    frag_a_km(a, Al, k);
+    frag_b_kn(b, Bl, k);
+    mma_frags(acc, a, b);
   }
 }
 
