@@ -79,8 +79,25 @@ struct LshSortKeysParams {
   bool keys64 = true;               // keys are uint64 (else uint32: needs every key < 2^32)
   void* keys = nullptr;             // out (B, H, L) uint64 or uint32
   int32_t* pos = nullptr;           // out (B, H, L): position i of every key (the sort's values), or null
+  // Rows of one sequence each ([0, L): no seq_idx) and row_stride nb·L: `keys` gets the uint32
+  // short keys r·nb + c instead. Their stable sort (a radix sort is stable, and the keys come in
+  // position order) orders the pairs as the full keys do, over fewer bits (12 for 16 rows of 256
+  // buckets, against 28 for the full keys at L = 64K: 2 radix passes instead of 4); then
+  // lsh_full_keys_cuda turns the sorted short keys into the full ones, (r·nb + c)·L + i.
+  bool short_keys = false;
 };
 void lsh_sort_keys_cuda(const LshSortKeysParams& p, void* stream);
+
+// The full sort keys (uint64 or uint32 as keys64) of sorted short keys (LshSortKeysParams::short_keys):
+// full[e] = short_keys[e]·L + pos[e].
+struct LshFullKeysParams {
+  int64_t n = 0, L = 0;
+  bool keys64 = true;
+  const uint32_t* short_keys = nullptr;  // (n) sorted
+  const int32_t* pos = nullptr;          // (n) their positions
+  void* keys = nullptr;                  // out (n)
+};
+void lsh_full_keys_cuda(const LshFullKeysParams& p, void* stream);
 
 // One radix sort of n (key, position) pairs by the keys' low `bits` bits (every key < 2^bits).
 struct LshSortParams {

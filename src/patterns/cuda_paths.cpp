@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/backend.h"
@@ -95,22 +96,28 @@ LshSorted lsh_sorted(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const bool joint = rows <= UINT64_MAX / span;
   const uint64_t top = joint ? rows * span - 1 : 0;  // the largest joint key
   const bool keys64 = !joint || top > UINT32_MAX;
+  // Rows of one sequence each sort their short keys r·nb + bucket (LshSortKeysParams::short_keys).
+  const bool short_keys = joint && !seq.defined() && rows * (uint64_t)nb <= UINT32_MAX;
+  const uint64_t sort_top = short_keys ? rows * (uint64_t)nb - 1 : top;  // the largest key sorted
   int bits = 1;
-  while (bits < 64 && (top >> bits) != 0) ++bits;
+  while (bits < 64 && (sort_top >> bits) != 0) ++bits;
+  const bool sort64 = keys64 && !short_keys;
   const auto key_opts = at::TensorOptions().dtype(keys64 ? at::kLong : at::kInt).device(dev);
-  const size_t temp_bytes = joint ? lsh_sort_temp_bytes(B * H * L, keys64, bits) : 0;
+  const auto sort_opts = at::TensorOptions().dtype(sort64 ? at::kLong : at::kInt).device(dev);
+  const size_t temp_bytes = joint ? lsh_sort_temp_bytes(B * H * L, sort64, bits) : 0;
   const at::Tensor temp = joint ? at::empty({(int64_t)std::max<size_t>(temp_bytes, 1)},
                                             at::TensorOptions().dtype(at::kByte).device(dev))
                                 : at::Tensor();
   // Every (b, h) row's sort keys of (sequence, bucket, position), sorted, and their positions (int32).
   auto sorted = [&](const at::Tensor& bucket) {
-    at::Tensor key = at::empty({B, H, L}, key_opts);
+    at::Tensor key = at::empty({B, H, L}, sort_opts);
     at::Tensor pos = joint ? at::empty({B, H, L}, int32_on(dev)) : at::Tensor();
     LshSortKeysParams p;
-    p.B = B, p.L = L, p.H = H, p.num_buckets = nb, p.keys64 = keys64, p.row_stride = joint ? span : 0;
+    p.B = B, p.L = L, p.H = H, p.num_buckets = nb, p.keys64 = sort64, p.row_stride = joint ? span : 0;
     p.bucket = bucket.data_ptr<int32_t>(), p.start = out.bounds.start.data_ptr<int32_t>();
     p.end = out.bounds.end.data_ptr<int32_t>(), p.keys = key.data_ptr();
     p.pos = joint ? pos.data_ptr<int32_t>() : nullptr;
+    p.short_keys = short_keys;
     lsh_sort_keys_cuda(p, stream_of(key));
     if (!joint) {
       auto [values, positions] = at::sort(key, -1);
@@ -118,12 +125,19 @@ LshSorted lsh_sorted(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     }
     at::Tensor key_out = at::empty_like(key), pos_out = at::empty_like(pos);
     LshSortParams sp;
-    sp.n = B * H * L, sp.bits = bits, sp.keys64 = keys64;
+    sp.n = B * H * L, sp.bits = bits, sp.keys64 = sort64;
     sp.keys_in = key.data_ptr(), sp.keys_out = key_out.data_ptr();
     sp.pos_in = pos.data_ptr<int32_t>(), sp.pos_out = pos_out.data_ptr<int32_t>();
     sp.temp = temp.data_ptr(), sp.temp_bytes = temp_bytes;
     lsh_sort_cuda(sp, stream_of(key));
-    return std::make_pair(key_out, pos_out);
+    if (!short_keys) return std::make_pair(key_out, pos_out);
+    at::Tensor full = at::empty({B, H, L}, key_opts);
+    LshFullKeysParams fp;
+    fp.n = B * H * L, fp.L = L, fp.keys64 = keys64;
+    fp.short_keys = reinterpret_cast<const uint32_t*>(key_out.data_ptr<int32_t>());
+    fp.pos = pos_out.data_ptr<int32_t>(), fp.keys = full.data_ptr();
+    lsh_full_keys_cuda(fp, stream_of(full));
+    return std::make_pair(full, pos_out);
   };
   std::tie(out.key_sorted, out.key_pos) = sorted(bk);
   out.query_order = sorted(out.bq).second;  // queries by (sequence, bucket, position)
@@ -261,6 +275,27 @@ at::Tensor merge_device(const at::Tensor& a0, const at::Tensor& b0) {
   return out;
 }
 
+namespace {
+
+// The overflow merge's output, (B, H, L, Ka + Kb) (rows the merge leaves out are read by nothing
+// but the op's value check, which needs them valid), and the params every form of it shares; the
+// caller sets the inputs (a or the band, b) and runs merge_lists_cuda.
+std::pair<at::Tensor, MergeListsParams> overflow_merge_setup(int64_t B, int64_t H, int64_t L, int64_t Ka, int64_t Kb,
+                                                             const at::Tensor& q_order, const at::Tensor& block_count,
+                                                             const at::Device& dev) {
+  at::Tensor out = ops::check_device_values() ? at::full({B, H, L, Ka + Kb}, -1, int32_on(dev))
+                                              : at::empty({B, H, L, Ka + Kb}, int32_on(dev));
+  MergeListsParams p;
+  p.rows = B * H * L, p.Ka = Ka, p.Kb = Kb;
+  p.out = out.data_ptr<int32_t>();
+  p.block_count = block_count.data_ptr<int32_t>();
+  p.q_order = q_order.defined() ? q_order.data_ptr<int32_t>() : nullptr;
+  p.L = L, p.block = ops::kAttentionTileQueries;
+  return {out, p};
+}
+
+}  // namespace
+
 at::Tensor merge_overflow_device(const at::Tensor& a0, const at::Tensor& b0, const at::Tensor& q_order0,
                                  const at::Tensor& block_count0) {
   const at::Tensor a = a0.contiguous(), b = b0.to(a0.device()).contiguous();
@@ -268,15 +303,8 @@ at::Tensor merge_overflow_device(const at::Tensor& a0, const at::Tensor& b0, con
   if (Ka > 32 || Kb > 32) return merge_device(a, b);  // (only the small kernel skips rows)
   const at::Tensor q_order = q_order0.defined() ? q_order0.contiguous() : q_order0;
   const at::Tensor block_count = block_count0.contiguous();
-  // Rows left out are read by nothing but the op's value check, which needs them valid.
-  at::Tensor out = ops::check_device_values() ? at::full({B, H, L, Ka + Kb}, -1, int32_on(a.device()))
-                                              : at::empty({B, H, L, Ka + Kb}, int32_on(a.device()));
-  MergeListsParams p;
-  p.rows = B * H * L, p.Ka = Ka, p.Kb = Kb;
-  p.a = a.data_ptr<int32_t>(), p.b = b.data_ptr<int32_t>(), p.out = out.data_ptr<int32_t>();
-  p.block_count = block_count.data_ptr<int32_t>();
-  p.q_order = q_order.defined() ? q_order.data_ptr<int32_t>() : nullptr;
-  p.L = L, p.block = ops::kAttentionTileQueries;
+  auto [out, p] = overflow_merge_setup(B, H, L, Ka, Kb, q_order, block_count, a.device());
+  p.a = a.data_ptr<int32_t>(), p.b = b.data_ptr<int32_t>();
   merge_lists_cuda(p, stream_of(out));
   return out;
 }
@@ -287,13 +315,8 @@ at::Tensor merge_overflow_band_device(const at::Tensor& band0, const at::Tensor&
   const at::Tensor b = b0.contiguous(), band = band0.narrow(0, 0, 2).contiguous(), band_pos = band_pos0.contiguous();
   const at::Tensor q_order = q_order0.contiguous(), block_count = block_count0.contiguous();
   const int64_t B = b.size(0), H = b.size(1), L = b.size(2), Kb = b.size(3);
-  at::Tensor out = ops::check_device_values() ? at::full({B, H, L, Ka + Kb}, -1, int32_on(b.device()))
-                                              : at::empty({B, H, L, Ka + Kb}, int32_on(b.device()));
-  MergeListsParams p;
-  p.rows = B * H * L, p.Ka = Ka, p.Kb = Kb;
-  p.b = b.data_ptr<int32_t>(), p.out = out.data_ptr<int32_t>();
-  p.block_count = block_count.data_ptr<int32_t>(), p.q_order = q_order.data_ptr<int32_t>();
-  p.L = L, p.block = ops::kAttentionTileQueries;
+  auto [out, p] = overflow_merge_setup(B, H, L, Ka, Kb, q_order, block_count, b.device());
+  p.b = b.data_ptr<int32_t>();
   p.band = band.data_ptr<int32_t>(), p.band_pos = band_pos.data_ptr<int32_t>();
   merge_lists_cuda(p, stream_of(out));
   return out;

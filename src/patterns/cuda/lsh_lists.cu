@@ -5,8 +5,10 @@
 // keys_kernel   thread per (b, h, i): key = r·row_stride + nb·s + bucket·n + (i - s) for position
 //               i of the sequence [s, e), n = e - s, r = b·H + h (see LshSortKeysParams: sorting by
 //               it sorts by (row, sequence, bucket, position), and sequence [s, e) lands at sorted
-//               indices [s, e) of its row), and the position i as the sort's value.
+//               indices [s, e) of its row), and the position i as the sort's value. Rows of one
+//               sequence each take the short key r·nb + bucket instead (LshSortKeysParams::short_keys).
 // lsh_sort_cuda CUB's radix sort of the (key, position) pairs over the keys' significant bits.
+// full_keys_kernel  after a sort of short keys: the full keys, short·L + position.
 // lists_kernel  block per (b, h, run of kListWarps·kListQueries queries), warp per kListQueries
 //               queries, 32 at a time: the keys of i's sequence in its query bucket c with
 //               position <= i are the sorted entries with key in [first = key(c, s), x = key(c, i)]
@@ -32,11 +34,22 @@ __global__ void keys_kernel(LshSortKeysParams p) {
   Key* keys = (Key*)p.keys;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
     const int64_t i = e % p.L, r = e / p.L, h = r % p.H, b = r / p.H;  // e = (b·H + h)·L + i
-    const int64_t s = p.start[b * p.L + i], len = p.end[b * p.L + i] - s;
     const int64_t c = p.bucket[(b * p.L + i) * p.H + h];
-    keys[e] = (Key)((uint64_t)r * p.row_stride + (uint64_t)(p.num_buckets * s + c * len + (i - s)));
+    if (p.short_keys) {
+      keys[e] = (Key)(r * p.num_buckets + c);
+    } else {
+      const int64_t s = p.start[b * p.L + i], len = p.end[b * p.L + i] - s;
+      keys[e] = (Key)((uint64_t)r * p.row_stride + (uint64_t)(p.num_buckets * s + c * len + (i - s)));
+    }
     if (p.pos) p.pos[e] = (int32_t)i;
   }
+}
+
+template <class Key>
+__global__ void full_keys_kernel(LshFullKeysParams p) {
+  Key* keys = (Key*)p.keys;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.n; e += (int64_t)gridDim.x * blockDim.x)
+    keys[e] = (Key)((uint64_t)p.short_keys[e] * (uint64_t)p.L + (uint64_t)p.pos[e]);
 }
 
 // The table stride S: a power of two >= 32 with at most kSplitters entries of a row.
@@ -201,11 +214,21 @@ void lsh_sort_keys_cuda(const LshSortKeysParams& p, void* stream) {
   const int64_t n = p.B * p.H * p.L;
   if (n == 0) return;
   const unsigned blocks = dev::grid_for(n, dev::kThreads);
-  if (p.keys64)
+  if (p.keys64 && !p.short_keys)
     keys_kernel<uint64_t><<<blocks, dev::kThreads, 0, (cudaStream_t)stream>>>(p);
   else
     keys_kernel<uint32_t><<<blocks, dev::kThreads, 0, (cudaStream_t)stream>>>(p);
   ops::cuda::check_launch("lsh (sort keys)");
+}
+
+void lsh_full_keys_cuda(const LshFullKeysParams& p, void* stream) {
+  if (p.n == 0) return;
+  const unsigned blocks = dev::grid_for(p.n, dev::kThreads);
+  if (p.keys64)
+    full_keys_kernel<uint64_t><<<blocks, dev::kThreads, 0, (cudaStream_t)stream>>>(p);
+  else
+    full_keys_kernel<uint32_t><<<blocks, dev::kThreads, 0, (cudaStream_t)stream>>>(p);
+  ops::cuda::check_launch("lsh (full keys)");
 }
 
 namespace {
