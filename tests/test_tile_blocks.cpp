@@ -7,6 +7,7 @@
 // tile plan kernel and the query kernels' block form equal the CPU's blocks exactly.
 #include <algorithm>
 #include <climits>
+#include <functional>
 #include <random>
 #include <string>
 #include <utility>
@@ -303,14 +304,15 @@ at::Tensor random_lists(int64_t B, int64_t H, int64_t L, int64_t K, int64_t rang
   return thinned(std::get<0>(keys.sort(-1)).reshape({B, H, L, K}), 0.2);
 }
 
-// sparse_attention_union over lists a and b (q_order a's, or b's) with patterns::merge_overflow_rows
-// for the blocks that overflow, against the dense reference over merge(a, b). Where the union op
-// does not apply (float32, the CPU), the op is sparse_attention on merge(a, b).
-OpCase union_case(const std::string& name, const pat::KeyLists& a, const pat::KeyLists& b, int64_t Lk, int64_t D) {
+// The frame both union cases share: q (B, L, H, D), k and v (B, Lk, H, D), the dense reference
+// over `merged`, and `op` (the union op under test) where sparse_attention_union_native takes
+// parts of Ka and Kb keys, else the plain op over the merged lists.
+using UnionOp = std::function<at::Tensor(const Tensors&, double scale)>;
+OpCase union_frame(const std::string& name, const pat::KeyLists& merged, int64_t Lk, int64_t D, int64_t Ka, int64_t Kb,
+                   const UnionOp& op) {
   OpCase c;
   c.name = name;
-  const int64_t B = a.idx.size(0), H = a.idx.size(1), L = a.idx.size(2);
-  const pat::KeyLists merged = pat::merge(a, b);
+  const int64_t B = merged.idx.size(0), H = merged.idx.size(1), L = merged.idx.size(2);
   const double scale = 1.0 / std::sqrt((double)D);
   c.make_inputs = [=](at::ScalarType dt) {
     auto o = at::TensorOptions().dtype(dt);
@@ -319,19 +321,13 @@ OpCase union_case(const std::string& name, const pat::KeyLists& a, const pat::Ke
   };
   c.op = [=](const Tensors& in) {
     const at::Device dev = in[0].device();
-    auto on = [&](const pat::KeyLists& x) {
-      return pat::KeyLists{x.idx.to(dev), x.q_order.defined() ? x.q_order.to(dev) : x.q_order};
-    };
-    const pat::KeyLists ga = on(a), gb = on(b);
-    const at::Tensor order = ga.q_order.defined() ? ga.q_order : gb.q_order;
-    if (!hax::ops::sparse_attention_union_native(in[0], in[2], ga.idx.size(3), gb.idx.size(3))) {
+    if (!hax::ops::sparse_attention_union_native(in[0], in[2], Ka, Kb)) {
       EXPECT_FALSE(dev.is_cuda() && in[0].scalar_type() == at::kBFloat16) << "the union op should apply";
-      return Tensors{std::get<0>(hax::ops::sparse_attention(in[0], in[1], in[2], pat::merge(ga, gb).idx, {}, {},
-                                                             order, scale))};
+      const at::Tensor order = merged.q_order.defined() ? merged.q_order.to(dev) : merged.q_order;
+      return Tensors{std::get<0>(hax::ops::sparse_attention(in[0], in[1], in[2], merged.idx.to(dev), {}, {}, order,
+                                                             scale))};
     }
-    const auto merge_overflow = [&](const at::Tensor& count) { return pat::merge_overflow_rows(ga, gb, count); };
-    return Tensors{std::get<0>(hax::ops::sparse_attention_union(in[0], in[1], in[2], ga.idx, gb.idx, order, scale,
-                                                                merge_overflow))};
+    return Tensors{op(in, scale)};
   };
   c.reference = [=](const Tensors& in) {
     return Tensors{std::get<0>(hax::ops::sparse_attention_reference(in[0], in[1], in[2], merged.idx, {}, {}, scale))};
@@ -339,38 +335,36 @@ OpCase union_case(const std::string& name, const pat::KeyLists& a, const pat::Ke
   return c;
 }
 
+// sparse_attention_union over lists a and b (q_order a's, or b's) with patterns::merge_overflow_rows
+// for the blocks that overflow, against the dense reference over merge(a, b). Where the union op
+// does not apply (float32, the CPU), the op is sparse_attention on merge(a, b).
+OpCase union_case(const std::string& name, const pat::KeyLists& a, const pat::KeyLists& b, int64_t Lk, int64_t D) {
+  return union_frame(name, pat::merge(a, b), Lk, D, a.idx.size(3), b.idx.size(3), [=](const Tensors& in, double scale) {
+    const at::Device dev = in[0].device();
+    auto on = [&](const pat::KeyLists& x) {
+      return pat::KeyLists{x.idx.to(dev), x.q_order.defined() ? x.q_order.to(dev) : x.q_order};
+    };
+    const pat::KeyLists ga = on(a), gb = on(b);
+    const at::Tensor order = ga.q_order.defined() ? ga.q_order : gb.q_order;
+    const auto merge_overflow = [&](const at::Tensor& count) { return pat::merge_overflow_rows(ga, gb, count); };
+    return std::get<0>(hax::ops::sparse_attention_union(in[0], in[1], in[2], ga.idx, gb.idx, order, scale,
+                                                        merge_overflow));
+  });
+}
+
 // sparse_attention_union_band over a band (list a; `a` holds the same lists, for the reference)
 // and lists b, with patterns::merge_overflow_rows's band form for the blocks that overflow,
 // against the dense reference over merge(a, b).
 OpCase union_band_case(const std::string& name, const pat::LshBand& band, int64_t Ka, const pat::KeyLists& a,
                        const pat::KeyLists& b, int64_t D) {
-  OpCase c;
-  c.name = name;
-  const int64_t B = b.idx.size(0), H = b.idx.size(1), L = b.idx.size(2);
-  const pat::KeyLists merged = pat::merge(a, b);
-  const double scale = 1.0 / std::sqrt((double)D);
-  c.make_inputs = [=](at::ScalarType dt) {
-    auto o = at::TensorOptions().dtype(dt);
-    return Tensors{at::randn({B, L, H, D}, o).requires_grad_(), at::randn({B, L, H, D}, o).requires_grad_(),
-                   at::randn({B, L, H, D}, o).requires_grad_()};
-  };
-  c.op = [=](const Tensors& in) {
+  return union_frame(name, pat::merge(a, b), b.idx.size(2), D, Ka, b.idx.size(3), [=](const Tensors& in, double scale) {
     const at::Device dev = in[0].device();
-    if (!hax::ops::sparse_attention_union_native(in[0], in[2], Ka, b.idx.size(3))) {
-      EXPECT_FALSE(dev.is_cuda() && in[0].scalar_type() == at::kBFloat16) << "the union op should apply";
-      return Tensors{std::get<0>(hax::ops::sparse_attention(in[0], in[1], in[2], merged.idx.to(dev), {}, {},
-                                                             merged.q_order.to(dev), scale))};
-    }
     const pat::LshBand g{band.q_order.to(dev), band.k_order.to(dev), band.band.to(dev)};
     const pat::KeyLists gb{b.idx.to(dev), at::Tensor()};
     const auto merge_overflow = [&](const at::Tensor& count) { return pat::merge_overflow_rows(g, Ka, gb, count); };
-    return Tensors{std::get<0>(hax::ops::sparse_attention_union_band(in[0], in[1], in[2], g.band, g.k_order, Ka,
-                                                                     gb.idx, g.q_order, scale, merge_overflow))};
-  };
-  c.reference = [=](const Tensors& in) {
-    return Tensors{std::get<0>(hax::ops::sparse_attention_reference(in[0], in[1], in[2], merged.idx, {}, {}, scale))};
-  };
-  return c;
+    return std::get<0>(hax::ops::sparse_attention_union_band(in[0], in[1], in[2], g.band, g.k_order, Ka, gb.idx,
+                                                             g.q_order, scale, merge_overflow));
+  });
 }
 
 // A synthetic band over L keys in nb buckets (sorted by (bucket, position)) for a random query

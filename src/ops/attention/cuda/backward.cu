@@ -35,6 +35,7 @@ namespace {
 using namespace attn;
 
 // Work item `item` (kThreads / G queries of one (b, h)): the query pass of this group's query.
+// Beside the tile path, query_pass_kernel calls it only for the items of overflowing blocks.
 template <class T, int G, bool kVec, bool kAtomic>
 __device__ __forceinline__ void query_pass_item(const AttentionGradParams& gp, const Layout& lay, int64_t nblk,
                                                 int64_t item, float* smem, bool smem_entries) {
@@ -45,8 +46,6 @@ __device__ __forceinline__ void query_pass_item(const AttentionGradParams& gp, c
   const int64_t bh = item / nblk;
   const int64_t r = (int64_t)(item % nblk) * kQueries + grp;
   if (r >= lay.L) return;  // a whole group leaves; no CTA-wide barrier follows
-  if (p.tile_count && p.tile_count[bh * attention_tile_blocks(lay.L) + r / kAttentionTileQueries] >= 0)
-    return;  // the tile kernels compute this query's block
   const int64_t b = bh / lay.H, h = bh % lay.H, BH = p.batch * lay.H, N = lay.L * lay.S * lay.K;
   const int64_t i = p.q_order ? p.q_order[bh * lay.L + r] : r;
   if (i < 0 || i >= lay.L) return;  // not a permutation entry (checked only with check_device_values)

@@ -27,6 +27,7 @@ namespace {
 using namespace attn;
 
 // Work item `item` (a CTA's kThreads / G queries of one (b, h)): the forward of this group's query.
+// Beside the tile path, forward_kernel calls it only for the items of overflowing blocks.
 template <class T, int G, bool kVec>
 __device__ __forceinline__ void forward_item(const AttentionParams& p, const Layout& lay, int64_t nblk, int64_t item) {
   constexpr int kQueries = kThreads / G;  // queries per item
@@ -34,8 +35,6 @@ __device__ __forceinline__ void forward_item(const AttentionParams& p, const Lay
   const int64_t bh = item / nblk;
   const int64_t r = (int64_t)(item % nblk) * kQueries + threadIdx.x / G;  // rank in q_order
   if (r >= lay.L) return;  // a whole group leaves: no collective of another group waits on it
-  if (p.tile_count && p.tile_count[bh * attention_tile_blocks(lay.L) + r / kAttentionTileQueries] >= 0)
-    return;  // the tile kernels compute this query's block
   const int64_t b = bh / lay.H, h = bh % lay.H;
   const int64_t i = p.q_order ? p.q_order[bh * lay.L + r] : r;
   if (i < 0 || i >= lay.L) return;  // not a permutation entry (checked only with check_device_values)
