@@ -504,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
     warp_accumulate_tn<DB, kTK / 16, Swizzle128, Lay>(dq, sdS, r0, ts.K(buf));  // dQ += dS K
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float dbr = sum4(db[r]);
+      const float dbr = db_acc ? sum4(db[r]) : 0.f;  // (uniform: the shuffles only with a bias)
       const int j = bs.keys[buf][kr[r]];
       if (j < 0) continue;
       atomic_add_row<DB>(dk_acc + (int64_t)j * sqk, dk, r, z.scale, z.D, t, pairs_k);
