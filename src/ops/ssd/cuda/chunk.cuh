@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(SsdParams p, S
 //     operand coef_j V_j[q] in a [j][q] tile (one 16-byte store per octet and half); U enters raw,
 //     copied by cp.async in global memory's [j][n] layout, double-buffered over the n tiles (the
 //     first two issued before V is staged); both operands are read by ldmatrix.trans
-//     (mma_slab_tt_split_b).
+//     (mma_slab_tt_split_b). Each out tile is rounded into its U buffer once the mma is done
+//     with it and copied out in 16-byte runs of its rows (out 16-byte aligned; else pair stores).
 //   - otherwise (local_state_staged): coef U is the computed (split) operand, staged [n][j] for
 //     every n tile, and V [q][j] once.
 
@@ -198,7 +199,8 @@ __device__ __forceinline__ void local_state_staged(const SsdParams& p, const Ssd
 // The bfloat16 form with vectorized staging (P and N multiples of 8, x, B, C, dy 16-byte aligned):
 //   sV, sVl (j, q) = coef_j V_j[p0 + q] as hi + lo   (zeros for j >= len or p0 + q >= P)
 //   sU[t % 2] (j, n) = U_j[64 t + n], raw by cp.async (zeros for j >= len or 64 t + n >= N)
-// and out tile t (n, q) = Σ_{j < ks} sU(j, n) (sV + sVl)(j, q).
+// and out tile t (n, q) = Σ_{j < ks} sU(j, n) (sV + sVl)(j, q), rounded into sU[t % 2] as [n][q]
+// and stored from there in 16-byte runs (mma, barrier, round in, barrier, copy out, barrier, refill).
 template <bool kGrad>
 __device__ __forceinline__ void local_state_kn(const SsdParams& p, const SsdScratch& w, const __nv_bfloat16* v_src,
                                                __nv_bfloat16* out) {
@@ -265,8 +267,10 @@ __device__ __forceinline__ void local_state_kn(const SsdParams& p, const SsdScra
   const int ks = round16(u.len);
   // Entry (n0 + n, p0 + q) of the sub-chunk's state at o[n0 P] + n P + q; P is even here (kVec).
   bf16* o = out + (bh * S + s) * N * P + p0;
-  const int Pi = (int)P, kp = (int)(P - p0 < kT ? P - p0 : kT);
+  const int Pi = (int)P, kp = (int)(P - p0 < kT ? P - p0 : kT);  // kp a multiple of 8 (kVec)
   const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(bf16)) == 0;
+  // Rows of o are 16-byte aligned when out is (P, p0, n0 and the block's offset are multiples of 8).
+  const bool runs = reinterpret_cast<uintptr_t>(out) % 16 == 0;
 #pragma unroll 1
   for (int t = 0; t < tiles; ++t) {
     if (t + 1 < tiles) cuda::cp_async_wait<1>();  // tile t + 1 is the only group that may be in flight
@@ -278,12 +282,46 @@ __device__ __forceinline__ void local_state_kn(const SsdParams& p, const SsdScra
     const int64_t n0 = (int64_t)t * kT;
     const int kn = (int)(N - n0 < kT ? N - n0 : kT);
     bf16* ot = o + n0 * P;
-    for_each_pair([&](int mi, int ni, int rp, int n, int q) {
-      const bool ok0 = n < kn && q < kp, ok1 = ok0 && q + 1 < kp;
-      store_pair(ot + n * Pi + q, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1, ok1 && pairs);
-    });
+    if (runs) {  // block-uniform
+      // The tile goes out through its U buffer: each pair rounded into it at [n][q] (one 32-bit
+      // store, conflict-free; entries out of range are not copied out), then 16-byte runs of its
+      // rows (a warp writes 4 rows x 128 bytes where the pairs wrote 8 rows x 16 bytes).
+      // Shared addresses stay 32-bit (with generic ones the kernel spilled).
+      const uint32_t sb = (uint32_t)__cvta_generic_to_shared(t & 1 ? sU1 : sU0);
+      __syncthreads();  // every warp is done reading buffer t % 2
+      for_each_pair([&](int mi, int ni, int rp, int n, int q) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1]);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sb + 2 * (n * ld + q)),
+                     "r"(*reinterpret_cast<const uint32_t*>(&v))
+                     : "memory");
+      });
+      __syncthreads();
+      // Two runs a pass, rolled: unrolled, the passes' address offsets (multiples of P) were
+      // hoisted out of the tile loop and the kernel spilled.
+      const int c = Copy::col();
+#pragma unroll 1
+      for (int k = 0; k < Copy::kPer; k += 2) {
+        uint4 v[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v[e].x), "=r"(v[e].y), "=r"(v[e].z), "=r"(v[e].w)
+                       : "r"(sb + 2 * (Copy::row(k + e) * ld + c))
+                       : "memory");
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = Copy::row(k + e);
+          if (n < kn && c < kp) *reinterpret_cast<uint4*>(ot + n * Pi + c) = v[e];
+        }
+      }
+    } else {
+      for_each_pair([&](int mi, int ni, int rp, int n, int q) {
+        const bool ok0 = n < kn && q < kp, ok1 = ok0 && q + 1 < kp;
+        store_pair(ot + n * Pi + q, acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1], ok0, ok1, ok1 && pairs);
+      });
+    }
     if (t + 2 < tiles) {
-      __syncthreads();  // every warp is done with buffer t % 2
+      __syncthreads();  // every warp is done with buffer t % 2 (its copy-out too)
       issue(t + 2);
     }
   }
