@@ -37,7 +37,7 @@ namespace {
 // bfloat16 with kVec (kAsync): the raw tiles (C and S_enter per 64-slab of N, then x) come by
 // cp.async into a second pair of buffers, the next stage's while the current one multiplies; S
 // and x keep global memory's [k][n] layout (mma_slab_kn), and the bracket is staged while x's
-// copy is in flight.
+// copy is in flight; y goes out through sA in 16-byte runs of its rows (y 16-byte aligned).
 // Grid: (S * B * H, ceil(P / 64)); block s + S (b H + h).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParams p, SsdScratch w, const T* states) {
@@ -140,6 +140,28 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
     mma_split_a(acc, sA, sL, sB, ks);
   }
   T* y = (T*)p.y + ((b * p.seqlen + u.t0) * H + h) * P + p0;
+  if constexpr (kAsync) {
+    // With y 16-byte aligned (then so is every row start here: P, p0 multiples of 8), y goes out
+    // through sA (free after the pipeline's last barrier): the pairs rounded into it at [i][q],
+    // then 16-byte runs of its rows (a warp's pair stores wrote 8 rows x 16 bytes, half sectors).
+    if (reinterpret_cast<uintptr_t>(p.y) % 16 == 0) {  // (block-uniform)
+      constexpr int ld = Operand<T>::kLd;
+      for_each_pair([&](int mi, int ni, int rp, int i, int q) {
+        *reinterpret_cast<__nv_bfloat162*>(sA + i * ld + q) =
+            __floats2bfloat162_rn(acc.v[mi][ni][2 * rp], acc.v[mi][ni][2 * rp + 1]);
+      });
+      __syncthreads();
+      using Copy = cuda::TileCopy<kT, kT, kThreads>;
+      const int c = Copy::col(), kp = (int)(P - p0 < kT ? P - p0 : kT);  // kp a multiple of 8 (kVec)
+#pragma unroll
+      for (int k = 0; k < Copy::kPer; ++k) {
+        const int i = Copy::row(k);
+        if (i < u.len && c < kp)
+          *reinterpret_cast<uint4*>(y + i * H * P + c) = *reinterpret_cast<const uint4*>(sA + i * ld + c);
+      }
+      return;
+    }
+  }
   const bool pairs = kVec && reinterpret_cast<uintptr_t>(y) % 4 == 0;  // P even: every pair is aligned too
   for_each_pair([&](int mi, int ni, int rp, int i, int q) {
     const bool ok0 = i < u.len && p0 + q < P, ok1 = ok0 && p0 + q + 1 < P;
