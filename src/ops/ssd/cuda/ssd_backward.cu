@@ -42,9 +42,10 @@
 // store (the 2-byte stores of the accumulator layout used a quarter of each sector). Static shared
 // memory 48128 bytes a block (was 29696; the static limit is 49152): 4 blocks an SM still fit,
 // and ptxas spills less (4 bytes of stores, was 52). The dx 1.50 ms above is from before this.
-// Then (not yet measured on a GPU), as local_state's vectorized form: dx_kernel (bfloat16, kVec)
-// stages no operand transposed. S and dS enter in their [n][p] layout (S by 16-byte stores, dS by
-// cp.async) and M as [i][j] rows, all read by ldmatrix.trans; same buffers, same shared memory.
+// Then, as local_state's vectorized form: dx_kernel (bfloat16, kVec) stages no operand
+// transposed. S and dS enter in their [n][p] layout (S by 16-byte stores, dS by cp.async) and M as
+// [i][j] rows, all read by ldmatrix.trans; same buffers, same shared memory. H100, ncu, 2026-11-23:
+// dx 1.04 -> 0.91 ms; local_state (gradient) is 0.25 ms now, dbdc 0.52, dcb 0.30, pass 0.20.
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
