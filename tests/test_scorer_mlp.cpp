@@ -124,6 +124,20 @@ TEST(ScorerMlpCuda, Bfloat16WithinTwiceNaiveError) {
   }
 }
 
+// Shapes of one hidden width whose shared memory shrinks, then grows back: the kernel's
+// shared-memory limit is set per kernel, not per shape, so the smaller shape must not lower it
+// below what the larger (cached) one launches with. 2N = 128 takes 138 KB at hidden 128, 2N = 64
+// takes 90 KB; the second 2N = 128 call failed to launch when the limit followed the last shape.
+TEST(ScorerMlpCuda, SharedMemoryOfAnEarlierShapeStaysAllowed) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(41);
+  for (int64_t N : {64, 32, 64}) {
+    const OpCase c = scorer_case(1, 97, 2, N, 128);
+    SCOPED_TRACE(c.name);
+    hax::testing::expect_cuda_bf16_close(c);
+  }
+}
+
 // float32 on CUDA (LibTorch's products: the kernel takes bfloat16 only) equals the CPU.
 TEST(ScorerMlpCuda, Float32MatchesCpu) {
   HAX_REQUIRE_CUDA();

@@ -188,7 +188,9 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
 
 // The launch shape of scorer_mlp_kernel<HID> for one 2N on one device: warps a block and blocks
 // that fit the GPU at once. Computed (with the shared-memory attribute set) once per (device, 2N):
-// the attribute and occupancy queries cost host time on every call otherwise.
+// the attribute and occupancy queries cost host time on every call otherwise. The attribute is
+// the kernel's (one per HID and device), not the 2N's, so it only ever grows: set to a smaller
+// 2N's size, it failed the next launch of a larger, cached 2N ("invalid argument").
 struct LaunchShape {
   int warps = 1;
   int64_t fit = 1;  // resident blocks: per SM x SMs
@@ -198,6 +200,7 @@ template <int HID>
 LaunchShape launch_shape(int64_t half) {
   static std::mutex mu;
   static std::map<std::pair<int, int64_t>, LaunchShape> cache;
+  static std::map<int, size_t> allowed;  // per device: the kernel's dynamic shared memory limit set so far
   int dev = 0;
   cudaGetDevice(&dev);
   std::lock_guard<std::mutex> lock(mu);
@@ -207,7 +210,10 @@ LaunchShape launch_shape(int64_t half) {
   sh.warps = kMaxWarps;
   while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
   const size_t bytes = smem_layout(half, HID, sh.warps).bytes;
-  cuda::allow_smem(scorer_mlp_kernel<HID>, bytes, "scorer_mlp");
+  if (bytes > allowed[dev]) {
+    cuda::allow_smem(scorer_mlp_kernel<HID>, bytes, "scorer_mlp");
+    allowed[dev] = bytes;
+  }
   int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, bytes);
   sh.fit = (int64_t)std::max(1, per_sm) * cuda::sm_count();
