@@ -5,7 +5,7 @@
 //   score_r = w3 · h2_r + b3                   (one value)
 // with k the keys and u the normalized running sum of the queries (layers/key_scorer.h).
 //
-// On CUDA in bfloat16 (or under autocast) one kernel computes the whole MLP per tile of 16 rows
+// On CUDA in bfloat16 (or under autocast) one kernel computes the whole MLP per tile of 32 rows
 // on tensor cores: the weights stay in shared memory, h1 and h2 stay in registers (rounded to
 // bfloat16 between the layers, as three bfloat16 GEMMs round them), and only the scores are
 // written. The three GEMMs through cuBLAS wrote and re-read both (R, hidden) activations and a

@@ -1,20 +1,30 @@
 // The fused scorer MLP (scorer_mlp.h) on tensor cores: one launch, bfloat16 storage, float32
 // accumulation.
 //
-// A block of up to kMaxWarps warps (as many as shared memory holds) copies W1 and W2 into shared memory once (cp.async), then each warp
-// takes tiles of 16 rows in turn (tile = global warp index, stride = all warps of the grid):
-//   1. the tile's inputs [k_r ; u_r] (16 x 2N) come by cp.async into the warp's buffer, the next
-//      tile's copy in flight while the current one is computed (two buffers per warp);
-//   2. layer 1: acc(16 x hidden) = X W1^T by mma.m16n8k16 (A from the buffer by ldmatrix, B the
-//      rows of W1 by ldmatrix, as stored: W1 is (out, in) with `in` contiguous);
+// A block of up to kMaxWarps warps (as many as shared memory holds) copies W1 and W2 into shared
+// memory once (cp.async), then each warp takes tiles of 32 rows in turn (tile = global warp
+// index, stride = all warps of the grid). A tile is two 16-row mma blocks (m tiles): every B
+// fragment of W1 or W2 that ldmatrix reads feeds one mma for each of them, so the weights are
+// read from shared memory once per 32 rows instead of once per 16 (those reads, 64 KB per pass
+// at hidden 128 and 2N 128, bound the kernel, not the tensor cores). Per tile:
+//   1. the tile's inputs [k_r ; u_r] (32 x 2N) come by cp.async into the warp's buffer, the next
+//      tile's copy in flight while the current one is computed (two buffers per warp; where two
+//      would leave fewer warps than one, at large 2N, the warp has one buffer and copies the next
+//      tile after computing the current one);
+//   2. layer 1: acc = X W1^T by mma.m16n8k16 (A from the buffer by ldmatrix, B the rows of W1 by
+//      ldmatrix, as stored: W1 is (out, in) with `in` contiguous), for both m tiles and at most
+//      64 output columns at a time (kCols): two m tiles of all 128 columns would not fit the
+//      registers next to h1;
 //   3. h1 = relu(acc + b1) rounded to bfloat16: the accumulator fragments of two neighbouring
 //      8-column tiles are exactly the A fragment of a 16-wide k step (mma_bf16.cuh), so h1 goes to
-//      layer 2 in registers;
-//   4. layer 2 the same way with W2; h2 = relu(acc + b2) rounded to bfloat16;
-//   5. layer 3 in float32: each thread's share of h2 · w3 for its two rows, summed over the 4
-//      threads of a row (shuffles), plus b3, rounded to bfloat16 and stored.
-// Sizes: 2N a multiple of 16 up to 256, hidden 16..128 (a template parameter: the accumulators
-// and h1 are hidden / 2 + hidden / 4 registers per thread).
+//      layer 2 in registers (hidden / 2 registers per thread for the two m tiles);
+//   4. layer 2 the same way with W2, again up to 64 output columns at a time; each group of
+//      columns goes at once (h2 = relu(acc + b2) rounded to bfloat16) into layer 3, so h2 is
+//      never held whole;
+//   5. layer 3 in float32: each thread's share of h2 · w3 for its four rows (two per m tile,
+//      summed in column order as with one group), summed over the 4 threads of a row
+//      (shuffles), plus b3, rounded to bfloat16 and stored.
+// Sizes: 2N a multiple of 16 up to 256, hidden 16..128 (a template parameter).
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -35,29 +45,38 @@ namespace mma = cuda::mma;
 constexpr int kMaxWarps = 8;          // warps per block, fewer where their input tiles would not fit
 constexpr int kThreads = 32 * kMaxWarps;
 constexpr size_t kMaxSmem = 227 * 1024;  // an H100's shared memory per block
-constexpr int kRows = 16;             // rows per warp tile (one mma row block)
+constexpr int kRows = 32;             // rows per warp tile: two mma row blocks of 16
+constexpr int kCols = 64;             // output columns of a layer computed at a time (at most)
 
 // Shared memory of a block, in bytes from the start: W1 [hidden][2N + 8], W2 [hidden][hidden + 8]
 // (bfloat16, rows padded by 8 so that ldmatrix's 8 rows fall on distinct bank groups), b1, b2, w3
-// (float32, hidden each), then two input tiles [16][2N + 8] per warp.
+// (float32, hidden each), then `bufs` input tiles [32][2N + 8] per warp.
 struct SmemLayout {
   int ldi, ldh;                  // row strides (entries) of W1 and the input tiles, of W2
+  int bufs;                      // input tiles per warp (2: the next one is copied during the current)
   size_t w2, bias, tiles, bytes;  // offsets of W2, of b1 (b2, w3 follow), of the tiles; total
 };
-__host__ __device__ inline SmemLayout smem_layout(int64_t half, int hidden, int warps) {
+__host__ __device__ inline SmemLayout smem_layout(int64_t half, int hidden, int warps, int bufs) {
   SmemLayout s;
   s.ldi = (int)(2 * half) + 8;
   s.ldh = hidden + 8;
+  s.bufs = bufs;
   s.w2 = (size_t)hidden * s.ldi * sizeof(bf16);
   s.bias = s.w2 + (size_t)hidden * s.ldh * sizeof(bf16);
   s.tiles = s.bias + 3 * (size_t)hidden * sizeof(float);
-  s.bytes = s.tiles + (size_t)warps * 2 * kRows * s.ldi * sizeof(bf16);
+  s.bytes = s.tiles + (size_t)warps * bufs * kRows * s.ldi * sizeof(bf16);
   return s;
+}
+// The layout of a block of `warps` warps: two tiles per warp where they fit, else one.
+__host__ __device__ inline SmemLayout smem_layout(int64_t half, int hidden, int warps) {
+  const SmemLayout two = smem_layout(half, hidden, warps, 2);
+  return two.bytes <= kMaxSmem ? two : smem_layout(half, hidden, warps, 1);
 }
 
 template <int HID>
 __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p) {
-  constexpr int NT = HID / 8;  // 8-column accumulator tiles of a hidden layer
+  constexpr int CT = (HID < kCols ? HID : kCols) / 8;  // 8-column accumulator tiles of a column group
+  constexpr int NG = HID / (8 * CT);                    // column groups of a hidden layer
   extern __shared__ __align__(16) unsigned char smem[];
   const int warps = blockDim.x >> 5;
   const SmemLayout L = smem_layout(p.half, HID, warps);
@@ -69,8 +88,9 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
   float* sB2 = sB1 + HID;
   float* sW3 = sB2 + HID;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  bf16* buf0 = reinterpret_cast<bf16*>(smem + L.tiles) + warp * 2 * kRows * ldi;
-  bf16* buf1 = buf0 + kRows * ldi;
+  const bool dbl = L.bufs == 2;
+  bf16* buf0 = reinterpret_cast<bf16*>(smem + L.tiles) + warp * L.bufs * kRows * ldi;
+  bf16* buf1 = dbl ? buf0 + kRows * ldi : buf0;
 
   // The weights, once per block (16-byte chunks; IN and HID are multiples of 8).
   const bf16 *W1 = (const bf16*)p.w1, *W2 = (const bf16*)p.w2;
@@ -90,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
   }
   const float b3 = p.b3 ? to_f32(((const bf16*)p.b3)[0]) : 0.f;
 
-  // Copies the inputs of tile t (rows 16 t ..) into dst: chunk q of a row is k's while q < N / 8,
+  // Copies the inputs of tile t (rows 32 t ..) into dst: chunk q of a row is k's while q < N / 8,
   // then u's; rows past R are zeros.
   const bf16 *K = (const bf16*)p.k, *U = (const bf16*)p.u;
   auto issue = [&](int64_t t, bf16* dst) {
@@ -117,71 +137,110 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
   const int b_row = ((lane >> 4) & 1) * 8 + (lane & 7), b_col = ((lane >> 3) & 1) * 8;
   for (int it = 0; tile < tiles; ++it, tile += stride) {
     const bf16* cur = it & 1 ? buf1 : buf0;
-    if (tile + stride < tiles) issue(tile + stride, it & 1 ? buf0 : buf1);
+    // Two buffers: the next tile's copy goes into the other one now. One: after this tile (below);
+    // the empty group committed here keeps the wait below the same.
+    if (dbl && tile + stride < tiles) issue(tile + stride, it & 1 ? buf0 : buf1);
     cuda::cp_async_commit();
     cuda::cp_async_wait<1>();
     __syncwarp();  // every lane's copies of the current tile are visible
 
-    // Layer 1: acc = X W1^T.
-    float acc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll 2
-    for (int kk = 0; kk < IN; kk += 16) {
-      uint32_t a[4];
-      mma::ldsm_x4<false>(a, cur + a_row * ldi + kk + a_col);
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        uint32_t b[4];
-        mma::ldsm_x4<false>(b, sW1 + (j * 8 + b_row) * ldi + kk + b_col);
-        mma::mma(acc[j], a, b[0], b[1]);
-        mma::mma(acc[j + 1], a, b[2], b[3]);
-      }
-    }
+    // Layer 1: acc = X W1^T for the m tiles m = 0, 1 (rows 16 m ..), one column group at a time;
     // h1 = relu(acc + b1) in bfloat16, as the A fragments of layer 2's k steps.
-    uint32_t h[NT / 2][4];
+    uint32_t h[2][HID / 16][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float c0 = sB1[j * 8 + t2], c1 = sB1[j * 8 + t2 + 1];
-      h[j / 2][(j & 1) * 2] = mma::pack_bf16(fmaxf(acc[j][0] + c0, 0.f), fmaxf(acc[j][1] + c1, 0.f));
-      h[j / 2][(j & 1) * 2 + 1] = mma::pack_bf16(fmaxf(acc[j][2] + c0, 0.f), fmaxf(acc[j][3] + c1, 0.f));
-    }
-    // Layer 2: acc = h1 W2^T.
+    for (int cg = 0; cg < NG; ++cg) {
+      float acc[2][CT][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int ks = 0; ks < NT / 2; ++ks) {
+        for (int j = 0; j < CT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+      // (unrolled twice, except at hidden 64: ptxas then caps itself at 128 registers and spills)
+#pragma unroll (HID == 64 ? 1 : 2)
+      for (int kk = 0; kk < IN; kk += 16) {
+        uint32_t a[2][4];
+        mma::ldsm_x4<false>(a[0], cur + a_row * ldi + kk + a_col);
+        mma::ldsm_x4<false>(a[1], cur + (16 + a_row) * ldi + kk + a_col);
 #pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        uint32_t b[4];
-        mma::ldsm_x4<false>(b, sW2 + (j * 8 + b_row) * ldh + ks * 16 + b_col);
-        mma::mma(acc[j], h[ks], b[0], b[1]);
-        mma::mma(acc[j + 1], h[ks], b[2], b[3]);
+        for (int j = 0; j < CT; j += 2) {
+          uint32_t b[4];
+          mma::ldsm_x4<false>(b, sW1 + (cg * CT * 8 + j * 8 + b_row) * ldi + kk + b_col);
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            mma::mma(acc[m][j], a[m], b[0], b[1]);
+            mma::mma(acc[m][j + 1], a[m], b[2], b[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < CT; ++j) {
+        const int jt = cg * CT + j;  // 8-column tile of the layer
+        const float c0 = sB1[jt * 8 + t2], c1 = sB1[jt * 8 + t2 + 1];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          h[m][jt / 2][(jt & 1) * 2] = mma::pack_bf16(fmaxf(acc[m][j][0] + c0, 0.f), fmaxf(acc[m][j][1] + c1, 0.f));
+          h[m][jt / 2][(jt & 1) * 2 + 1] =
+              mma::pack_bf16(fmaxf(acc[m][j][2] + c0, 0.f), fmaxf(acc[m][j][3] + c1, 0.f));
+        }
       }
     }
-    // Layer 3: rows g and g + 8 of the tile, h2 rounded to bfloat16 first.
+    // Layers 2 and 3, one column group at a time: acc = h1 W2^T, then rows g and g + 8 of each m
+    // tile take their share of w3 · h2, h2 rounded to bfloat16 first (s[m][0], s[m][1]).
     auto round = [](float x) { return __bfloat162float(__float2bfloat16(x)); };
-    float s0 = 0.f, s1 = 0.f;
+    float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int cg = 0; cg < NG; ++cg) {
+      float acc[2][CT][4];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = j * 8 + t2 + e;
-        const float w = sW3[c], bias = sB2[c];
-        s0 = fmaf(round(fmaxf(acc[j][e] + bias, 0.f)), w, s0);
-        s1 = fmaf(round(fmaxf(acc[j][2 + e] + bias, 0.f)), w, s1);
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < CT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < HID / 16; ++ks) {
+#pragma unroll
+        for (int j = 0; j < CT; j += 2) {
+          uint32_t b[4];
+          mma::ldsm_x4<false>(b, sW2 + (cg * CT * 8 + j * 8 + b_row) * ldh + ks * 16 + b_col);
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            mma::mma(acc[m][j], h[m][ks], b[0], b[1]);
+            mma::mma(acc[m][j + 1], h[m][ks], b[2], b[3]);
+          }
+        }
       }
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+#pragma unroll
+      for (int j = 0; j < CT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = (cg * CT + j) * 8 + t2 + e;
+          const float w = sW3[c], bias = sB2[c];
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            s[m][0] = fmaf(round(fmaxf(acc[m][j][e] + bias, 0.f)), w, s[m][0]);
+            s[m][1] = fmaf(round(fmaxf(acc[m][j][2 + e] + bias, 0.f)), w, s[m][1]);
+          }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s[m][i] += __shfl_xor_sync(0xffffffffu, s[m][i], 1);
+        s[m][i] += __shfl_xor_sync(0xffffffffu, s[m][i], 2);
+      }
     if ((lane & 3) == 0) {
       bf16* out = (bf16*)p.out;
-      const int64_t r0 = tile * kRows + g, r1 = r0 + 8;
-      if (r0 < p.rows) out[r0] = __float2bfloat16(s0 + b3);
-      if (r1 < p.rows) out[r1] = __float2bfloat16(s1 + b3);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const int64_t r0 = tile * kRows + 16 * m + g, r1 = r0 + 8;
+        if (r0 < p.rows) out[r0] = __float2bfloat16(s[m][0] + b3);
+        if (r1 < p.rows) out[r1] = __float2bfloat16(s[m][1] + b3);
+      }
     }
-    __syncwarp();  // every lane is done with `cur` before the next iteration's copy refills it
+    __syncwarp();  // every lane is done with `cur` before a copy refills it
+    if (!dbl) {
+      if (tile + stride < tiles) issue(tile + stride, buf0);
+      cuda::cp_async_commit();
+    }
   }
   cuda::cp_async_wait<0>();  // no copy outlives the block
 }
@@ -207,7 +266,7 @@ LaunchShape launch_shape(int64_t half) {
   const auto key = std::make_pair(dev, half);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   LaunchShape sh;
-  sh.warps = kMaxWarps;
+  sh.warps = kMaxWarps;  // the most warps that fit (with two input tiles each where they fit, else one)
   while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
   const size_t bytes = smem_layout(half, HID, sh.warps).bytes;
   if (bytes > allowed[dev]) {
