@@ -73,6 +73,15 @@ __host__ __device__ inline SmemLayout smem_layout(int64_t half, int hidden, int 
   return two.bytes <= kMaxSmem ? two : smem_layout(half, hidden, warps, 1);
 }
 
+// Zeroes the accumulators of a column group's mma tiles (two m tiles, CT 8-column tiles).
+template <int CT>
+__device__ __forceinline__ void zero_tiles(float (&acc)[2][CT][4]) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < CT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+}
+
 template <int HID>
 __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p) {
   constexpr int CT = (HID < kCols ? HID : kCols) / 8;  // 8-column accumulator tiles of a column group
@@ -150,10 +159,7 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
 #pragma unroll
     for (int cg = 0; cg < NG; ++cg) {
       float acc[2][CT][4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < CT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+      zero_tiles(acc);
       // (unrolled twice, except at hidden 64: ptxas then caps itself at 128 registers and spills)
 #pragma unroll (HID == 64 ? 1 : 2)
       for (int kk = 0; kk < IN; kk += 16) {
@@ -190,10 +196,7 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
 #pragma unroll
     for (int cg = 0; cg < NG; ++cg) {
       float acc[2][CT][4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < CT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+      zero_tiles(acc);
 #pragma unroll
       for (int ks = 0; ks < HID / 16; ++ks) {
 #pragma unroll
