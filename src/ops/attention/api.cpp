@@ -471,6 +471,28 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
   return {out[0], out[1]};
 }
 
+namespace {
+
+// The end both union ops share: the tile plan of p (its lists set up by the caller), the merged
+// rows of the blocks whose union overflows (merge_overflow, (B, H, L, K) with K = Ka + Kb), and
+// the op over them with the plan.
+std::tuple<at::Tensor, at::Tensor> planned_union(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, const Inputs& in, const AttentionParams& p,
+                                                 int64_t K, const at::Tensor& q_order, double scale,
+                                                 const MergeOverflow& merge_overflow) {
+  const Dims& d = in.d;
+  const TilePlan plan = build_tile_plan(in, p);
+  const at::Tensor idx = merge_overflow(plan.count.view({d.B, d.H, attention_tile_blocks(d.L)}));
+  check_shape(op, "merge_overflow(count)", idx, {d.B, d.H, d.L, K}, "(B, H, L, Ka + Kb)");
+  const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const at::Tensor none = at::empty({0}, q.options()), no_int = at::empty({0}, at::kInt);
+  auto out = SparseAttentionFunction::apply(q, k, v, idx, none, none, q_order.defined() ? q_order : no_int, scale,
+                                            record, plan.count, plan.keys, plan.mask);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
 bool sparse_attention_union_native(const at::Tensor& q, const at::Tensor& v, int64_t Ka, int64_t Kb) {
   return sparse_attention_blocks_native(q, v) && Ka > 0 && Kb > 0 && Ka + Kb <= kAttentionPlanMaxStagedKeys;
 }
@@ -492,18 +514,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union(const at::Tensor& q, c
             kUnion, Ka + Kb, kAttentionPlanMaxStagedKeys);
   check_inputs(q, k, v, idx_b, {}, {}, q_order, scale);  // b's shape, dtype and device (a's: prepare)
   Inputs in = prepare(q, k, v, idx_a, {}, {}, q_order, scale);
-  const Dims& d = in.d;
   AttentionParams p = make_params(in, scale);
-  const at::Tensor b = idx_b.contiguous();
+  const at::Tensor b = idx_b.contiguous();  // (alive until the plan is built)
   p.idx_b = b.data_ptr<int32_t>(), p.maxkeys_b = Kb;
-  const TilePlan plan = build_tile_plan(in, p);
-  const at::Tensor idx = merge_overflow(plan.count.view({d.B, d.H, attention_tile_blocks(d.L)}));
-  check_shape(kUnion, "merge_overflow(count)", idx, {d.B, d.H, d.L, Ka + Kb}, "(B, H, L, Ka + Kb)");
-  const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  const at::Tensor none = at::empty({0}, q.options()), no_int = at::empty({0}, at::kInt);
-  auto out = SparseAttentionFunction::apply(q, k, v, idx, none, none, q_order.defined() ? q_order : no_int, scale,
-                                            record, plan.count, plan.keys, plan.mask);
-  return {out[0], out[1]};
+  return planned_union(kUnion, q, k, v, in, p, Ka + Kb, q_order, scale, merge_overflow);
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor& q, const at::Tensor& k,
@@ -543,14 +557,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor&
   }
   AttentionParams p = make_params(in, scale);
   p.band = bnd.data_ptr<int32_t>(), p.band_pos = pos.data_ptr<int32_t>(), p.band_keys = Ka;
-  const TilePlan plan = build_tile_plan(in, p);
-  const at::Tensor idx = merge_overflow(plan.count.view({d.B, d.H, attention_tile_blocks(d.L)}));
-  check_shape(kUnion, "merge_overflow(count)", idx, {d.B, d.H, d.L, Ka + Kb}, "(B, H, L, Ka + Kb)");
-  const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  const at::Tensor none = at::empty({0}, q.options());
-  auto out = SparseAttentionFunction::apply(q, k, v, idx, none, none, q_order, scale, record, plan.count, plan.keys,
-                                            plan.mask);
-  return {out[0], out[1]};
+  return planned_union(kUnion, q, k, v, in, p, Ka + Kb, q_order, scale, merge_overflow);
 }
 
 }  // namespace hax::ops
