@@ -21,7 +21,7 @@
 //   8.   dbdc_kernel  per (row, group, sub-chunk, 64 columns of N, dB or dC): heads summed in the
 //                    product's k (no atomics)
 //   9.   ddt_kernel   one thread per (row, head, sub-chunk): d(cs), its reverse cumsum, ddt, dA
-//  10.   da_kernel    one thread per (row, head): dA_part summed over sub-chunks in order
+//  10.   da_kernel    block per (row, head): dA_part summed over sub-chunks (fixed order)
 // Every reduction has a fixed order: the backward is deterministic.
 // Speed: as in the forward, staging is vectorized where P and N are multiples of 8 (kVec) and
 // register budgets keep 4-6 blocks per SM. dx_kernel runs its two state products one after the
@@ -87,7 +87,7 @@ __device__ __forceinline__ void for_each_entry(const __nv_bfloat16* tile, F&& f)
 // by ldmatrix.trans (mma_slab_kn); the mask M is staged [i][j], along cb's contiguous j, one
 // 16-byte store per octet and half, and read by ldmatrix.trans as A (mma_slab_tt, hi then lo).
 // Staged transposed ([q][n] and [j][i]), each octet was 8 scattered 2-byte shared stores.
-// Grid: S * B * H blocks; block s + S (b H + h).
+// Grid: S * B * H blocks; block h + H (s + S b) (chunk.cuh: heads fastest).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   __shared__ StepVals sv;
   __shared__ float wj[kT], re[kT], scratch[2 * kT], red[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
+  const int64_t h = blockIdx.x % H, s = (blockIdx.x / H) % S, b = blockIdx.x / (H * S), bh = b * H + h, g = h / (H / G);
   const Sub u = sub_of(p, b, s);
   // kTiles: copies the tiles of columns p0.. (rows >= len and columns >= P zero-filled) as one
   // commit group; waited for at the last barrier of the Y product, which publishes them.
@@ -427,11 +427,14 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
   });
 }
 
-// dB (blockIdx.z = 0) or dC (1) of one (row, group, sub-chunk) and 64 columns of N:
+// dB (even blockIdx.x) or dC (odd) of one (row, group, sub-chunk) and 64 columns of N:
 //   dB(j, n) = Σ_heads w_j dt_j Σ_p x_j[p] dS[n][p] + Σ_i dCB_ij C_i[n]
 //   dC(i, n) = Σ_heads re_i Σ_p dy_i[p] S[n][p]     + Σ_j dCB_ij B_j[n]
 // Each head's product (x or dy, and dS or S, as stored) is scaled by its row factors and added in
-// head order; then dCB (split) times C or B. Grid: (S * B * G, ceil(N / 64), 2).
+// head order; then dCB (split) times C or B. Grid: S * B * G * ceil(N / 64) * 2 blocks, block
+// 2 (n_tile + tiles_n ((b G + g) S + s)) + (dC): the 2 tiles_n blocks of one sub-chunk run together,
+// so x and dy, which each n tile reads whole, come from DRAM once (with the grid (S B G, tiles_n,
+// 2) the n tiles of a sub-chunk ran a whole sweep apart, and each read them again).
 // bfloat16 with kVec (kAsync): both tiles of every (head, 64-slab of P) are raw and contiguous
 // along k, so cp.async copies them into a second pair of buffers, the next slab's while the
 // current one multiplies, instead of staging each through registers between barriers.
@@ -448,9 +451,10 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
   __shared__ StepVals sv;
   __shared__ float coef[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim, hpg = H / G;
-  const int64_t s = blockIdx.x % S, bg = blockIdx.x / S, b = bg / G, g = bg % G;
-  const int64_t n0 = (int64_t)blockIdx.y * kT;
-  const bool is_dc = blockIdx.z == 1;
+  const int64_t tiles_n = (N + kT - 1) / kT, chunk = blockIdx.x / (2 * tiles_n);  // chunk: (b G + g) S + s
+  const int64_t s = chunk % S, bg = chunk / S, b = bg / G, g = bg % G;
+  const int64_t n0 = (int64_t)(blockIdx.x / 2 % tiles_n) * kT;
+  const bool is_dc = blockIdx.x % 2 == 1;
   const Sub u = sub_of(p, b, s);
   const int64_t ldx = H * P, ldn = G * N;
   // The row factors of head h into coef (sv, coef free: the caller synchronized).
@@ -511,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
     }
   }
   // dB: A(j, i) = dCB_ij, B(n, i) = C_i[n];  dC: A(i, j) = dCB_ij, B(n, j) = B_j[n].
-  const float* dcb = w.dcb + (int64_t)blockIdx.x * kT * kT;
+  const float* dcb = w.dcb + chunk * kT * kT;
   const T* U = (const T*)(is_dc ? p.Bm : p.Cm) + ((b * p.seqlen + u.t0) * G + g) * N + n0;
   const int ks = round16(u.len);
   // dcb is zero outside the sub-chunk's steps (dcb_kernel writes the whole tile).
@@ -537,7 +541,11 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
 }
 
 // d(cs) of one (row, head, sub-chunk), its reverse cumsum da, ddt and the sub-chunk's dA.
-// One thread each, index ((b S + s) H + h).
+// One thread each, index ((b S + s) H + h), steps in the CPU's order. The thread's rows of v (all
+// of it, for vsum) and then, 16 steps at a time from the end, of intra, u, x.dXd and dt are loaded
+// into registers first, as independent loads (16 bytes each for the rows): loaded one step at a
+// time inside the loops, each load waited on before the next (the ddt stores may alias them for
+// the compiler), the kernel took 45 us at L = 64K, H = 16 on the H100.
 template <class T>
 __global__ void ddt_kernel(SsdGradParams gp, SsdScratch w) {
   const SsdParams& p = gp.fwd;
@@ -546,34 +554,73 @@ __global__ void ddt_kernel(SsdGradParams gp, SsdScratch w) {
   if (idx >= p.batch * S * H) return;
   const int64_t h = idx % H, s = (idx / H) % S, b = idx / (H * S), bhs = (b * H + h) * S + s;
   const Sub u = sub_of(p, b, s);
-  const float* intra = row_terms(p, w, kIntra, bhs);
-  const float* v = row_terms(p, w, kV, bhs);
-  const float* uu = row_terms(p, w, kU, bhs);
-  const float* xd = row_terms(p, w, kXdot, bhs);
+  const int len = u.len;
+  // (each row is kT floats, 256-byte aligned: SsdScratch::rows)
+  const float4* intra = reinterpret_cast<const float4*>(row_terms(p, w, kIntra, bhs));
+  const float4* vrow = reinterpret_cast<const float4*>(row_terms(p, w, kV, bhs));
+  const float4* uu = reinterpret_cast<const float4*>(row_terms(p, w, kU, bhs));
+  const float4* xd = reinterpret_cast<const float4*>(row_terms(p, w, kXdot, bhs));
   const float A = to_f32(((const T*)p.A)[h]);
   const T* dt = (const T*)p.dt + (b * p.seqlen + u.t0) * H + h;
   T* ddt = (T*)gp.ddt + (b * p.seqlen + u.t0) * H + h;
+  auto at = [](const float4& q, int e) { return e == 0 ? q.x : e == 1 ? q.y : e == 2 ? q.z : q.w; };
+  float v[kT];
+#pragma unroll
+  for (int i = 0; i < kT / 4; ++i) {
+    const float4 q = vrow[i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[4 * i + e] = at(q, e);
+  }
   float vsum = 0.f;
-  for (int i = 0; i < u.len; ++i) vsum += v[i];
+#pragma unroll
+  for (int i = 0; i < kT; ++i)
+    if (i < len) vsum += v[i];
+  constexpr int kC = 16;  // steps per batch of loads
   float run = 0.f, dA = 0.f;
-  for (int t = u.len - 1; t >= 0; --t) {
-    float d = intra[t] + uu[t] - v[t];
-    if (t == u.len - 1) d += vsum + w.dg[bhs];
-    run += d;
-    ddt[t * H] = from_f32<T>(run * A + xd[t]);
-    dA += run * to_f32(dt[t * H]);
+#pragma unroll
+  for (int c = kT / kC - 1; c >= 0; --c) {
+    if (c * kC >= len) continue;
+    float in[kC], uv[kC], xv[kC], dv[kC];
+#pragma unroll
+    for (int i = 0; i < kC / 4; ++i) {
+      const float4 a4 = intra[c * kC / 4 + i], u4 = uu[c * kC / 4 + i], x4 = xd[c * kC / 4 + i];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) in[4 * i + e] = at(a4, e), uv[4 * i + e] = at(u4, e), xv[4 * i + e] = at(x4, e);
+    }
+#pragma unroll
+    for (int i = 0; i < kC; ++i) dv[i] = c * kC + i < len ? to_f32(dt[(c * kC + i) * H]) : 0.f;
+#pragma unroll
+    for (int i = kC - 1; i >= 0; --i) {
+      const int t = c * kC + i;
+      if (t >= len) continue;
+      float d = in[i] + uv[i] - v[t];
+      if (t == len - 1) d += vsum + w.dg[bhs];
+      run += d;
+      ddt[t * H] = from_f32<T>(run * A + xv[i]);
+      dA += run * dv[i];
+    }
   }
   w.dA_sub[bhs] = dA;
 }
 
-// dA_part(b, h) = Σ_s dA of sub-chunk s, in order. One thread per (row, head).
-__global__ void da_kernel(SsdGradParams gp, SsdScratch w) {
-  const int64_t BH = gp.fwd.batch * gp.fwd.nheads, S = gp.fwd.nsubs();
-  const int64_t bh = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (bh >= BH) return;
+// dA_part(b, h) = Σ_s dA of sub-chunk s: a block per (row, head); thread t sums s = t, t + 256,
+// ... in order, then a fixed tree over the threads (deterministic). One thread per (row, head)
+// summing all S in order took 65 us at L = 64K (S = 1024) on the H100.
+constexpr int kDaThreads = 256;
+__global__ void __launch_bounds__(kDaThreads) da_kernel(SsdGradParams gp, SsdScratch w) {
+  __shared__ float part[kDaThreads];
+  const int64_t S = gp.fwd.nsubs(), bh = blockIdx.x;
+  const float* src = w.dA_sub + bh * S;
   float acc = 0.f;
-  for (int64_t s = 0; s < S; ++s) acc += w.dA_sub[bh * S + s];
-  ((float*)gp.dA_part)[bh] = acc;
+  for (int64_t s = threadIdx.x; s < S; s += kDaThreads) acc += src[s];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+#pragma unroll
+  for (int n = kDaThreads / 2; n > 0; n /= 2) {
+    if ((int)threadIdx.x < n) part[threadIdx.x] += part[threadIdx.x + n];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) ((float*)gp.dA_part)[bh] = part[0];
 }
 
 template <class T>
@@ -614,12 +661,12 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
     dcb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(gp, w);
   }
   if (tiles_n > 0) {
-    const dim3 grid((unsigned)(B * S * G), (unsigned)tiles_n, 2);
+    const unsigned grid = (unsigned)(B * S * G * tiles_n * 2);
     if (vec) dbdc_kernel<T, true><<<grid, kThreads, 0, stream>>>(gp, w, states);
     else dbdc_kernel<T, false><<<grid, kThreads, 0, stream>>>(gp, w, states);
   }
   ddt_kernel<T><<<thread_blocks, 128, 0, stream>>>(gp, w);
-  da_kernel<<<(unsigned)cuda::ceil_div(B * H, 128), 128, 0, stream>>>(gp, w);
+  da_kernel<<<(unsigned)(B * H), kDaThreads, 0, stream>>>(gp, w);
   cuda::check_launch("ssd_backward_cuda");
 }
 

@@ -38,7 +38,7 @@ namespace {
 // cp.async into a second pair of buffers, the next stage's while the current one multiplies; S
 // and x keep global memory's [k][n] layout (mma_slab_kn), and the bracket is staged while x's
 // copy is in flight; y goes out through sA in 16-byte runs of its rows (y 16-byte aligned).
-// Grid: (S * B * H, ceil(P / 64)); block s + S (b H + h).
+// Grid: (S * B * H, ceil(P / 64)); block h + H (s + S b) (chunk.cuh: heads fastest).
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParams p, SsdScratch w, const T* states) {
   using S_t = typename Operand<T>::S;
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
   __shared__ StepVals sv;
   __shared__ float re[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const int64_t s = blockIdx.x % S, bh = blockIdx.x / S, b = bh / H, h = bh % H, g = h / (H / G);
+  const int64_t h = blockIdx.x % H, s = (blockIdx.x / H) % S, b = blockIdx.x / (H * S), bh = b * H + h, g = h / (H / G);
   const int64_t p0 = (int64_t)blockIdx.y * kT;
   const Sub u = sub_of(p, b, s);
   load_steps<T>(p, w, b, h, s, u, sv);
