@@ -51,10 +51,15 @@ SsdParams make_params(const Dims& d, int64_t chunk, const at::Tensor& x, const a
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0, const at::Tensor& dt0,
-                                                           const at::Tensor& A0, const at::Tensor& B0,
-                                                           const at::Tensor& C0, const at::Tensor& init0,
-                                                           const at::Tensor& seq_idx, int64_t chunk) {
+namespace {
+
+// ssd_forward; with `prep` (CUDA), also the forward's cs, decay and C B^T (SsdParams::prep) in a
+// float32 tensor of their own, which the backward takes instead of computing them again.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(const at::Tensor& x0, const at::Tensor& dt0,
+                                                            const at::Tensor& A0, const at::Tensor& B0,
+                                                            const at::Tensor& C0, const at::Tensor& init0,
+                                                            const at::Tensor& seq_idx, int64_t chunk,
+                                                            at::Tensor* prep) {
   Dims d = check_inputs(x0, dt0, A0, B0, C0, init0, chunk);
   at::Tensor x = x0.contiguous(), dt = dt0.contiguous(), A = A0.contiguous(), Bm = B0.contiguous(),
              Cm = C0.contiguous(), init = init0.defined() ? init0.contiguous() : init0;
@@ -72,6 +77,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0,
     if (init.defined()) fin.copy_(init);  // an empty sequence passes the state through
     else fin.zero_();
   } else if (x.is_cuda()) {
+    if (prep) {
+      *prep = at::empty({ssd_cuda_prep_entries(p)}, x.options().dtype(at::kFloat));
+      p.prep = prep->data_ptr<float>();
+    }
     at::Tensor work = at::empty({ssd_cuda_workspace(p, false, x.element_size())}, x.options().dtype(at::kFloat));
     p.workspace = work.data_ptr();
     HAX_CUDA_LAUNCH(kOp, x, ssd_forward_cuda(p, kernel_dtype(x), cuda_stream(x)));
@@ -79,6 +88,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0,
     ssd_forward_cpu(p, x.scalar_type());
   }
   return {y, fin, cst};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ssd_forward(const at::Tensor& x0, const at::Tensor& dt0,
+                                                           const at::Tensor& A0, const at::Tensor& B0,
+                                                           const at::Tensor& C0, const at::Tensor& init0,
+                                                           const at::Tensor& seq_idx, int64_t chunk) {
+  return forward_impl(x0, dt0, A0, B0, C0, init0, seq_idx, chunk, nullptr);
 }
 
 namespace {
@@ -96,14 +114,16 @@ struct SsdFunction : public torch::autograd::Function<SsdFunction> {
     // Contiguous once here: the forward and the saved copies share them (views of a split
     // projection would otherwise be copied twice).
     x = x.contiguous(), dt = dt.contiguous(), Bm = Bm.contiguous(), Cm = Cm.contiguous();
-    auto [y, fin, cst] = ssd_forward(x, dt, A, Bm, Cm, init, seq_idx, chunk);
+    at::Tensor prep;  // (CUDA: the forward's cs, decay and C B^T, for the backward)
+    auto [y, fin, cst] = forward_impl(x, dt, A, Bm, Cm, init, seq_idx, chunk, &prep);
     at::Tensor seq = check_seq_idx(kOp, seq_idx, x.size(0), x.size(1));
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["has_init"] = init.defined();
     ctx->saved_data["has_seq"] = seq.defined();
     ctx->save_for_backward({x.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(),
                             init.defined() ? init.contiguous() : at::zeros({0}, x.options()),
-                            seq.defined() ? seq : at::zeros({0}, x.options().dtype(at::kInt)), cst});
+                            seq.defined() ? seq : at::zeros({0}, x.options().dtype(at::kInt)), cst,
+                            prep.defined() ? prep : at::zeros({0}, x.options().dtype(at::kFloat))});
     return {y, fin};
   }
 
@@ -136,6 +156,7 @@ struct SsdFunction : public torch::autograd::Function<SsdFunction> {
       at::Tensor dx = new_output_like(x), ddt = new_output_like(dt);
       at::Tensor dB = new_output_like(Bm), dC = new_output_like(Cm);
       at::Tensor dA_part = new_output({d.B, d.H}, x.options().dtype(at::kFloat));
+      if (s[8].numel() > 0) gp.fwd.prep = s[8].data_ptr<float>(), gp.fwd.prepped = true;  // (before the size)
       at::Tensor work = at::empty({ssd_cuda_workspace(gp.fwd, true, x.element_size())}, x.options().dtype(at::kFloat));
       gp.fwd.workspace = work.data_ptr();
       gp.dx = dx.data_ptr(), gp.ddt = ddt.data_ptr(), gp.dA_part = dA_part.data_ptr();

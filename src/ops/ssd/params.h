@@ -28,6 +28,10 @@ struct SsdParams {
   void* final_state = nullptr;  // out (B, H, P, N)
   void* chunk_states = nullptr; // out (B, H, nchunks, N, P): state entering each chunk (for backward), x's dtype
   void* workspace = nullptr;    // CUDA only: scratch of ssd_cuda_workspace(*this, backward, ...) float32 entries
+  float* prep = nullptr;        // CUDA only: ssd_cuda_prep_entries(*this) float32 entries for cs, decay and
+                                // C B^T (SsdScratch), kept from the forward for the backward; null: in workspace
+  bool prepped = false;         // CUDA backward: `prep` holds the forward's values (same inputs), so the
+                                // backward does not compute them again
 
   HAX_HOST_DEVICE int64_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many
@@ -83,8 +87,16 @@ struct SsdScratch {
   int64_t total = 0;         // float32 entries in all
 };
 
+// Float32 entries of the pieces cs, decay and cb (p.prep), 256-byte aligned each.
+inline int64_t ssd_cuda_prep_entries(const SsdParams& p) {
+  const int64_t S = p.nsubs(), BH = p.batch * p.nheads, BG = p.batch * p.ngroups, T = kSsdSubChunk;
+  auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
+  return up(BH * S * T) + up(BH * S) + up(BG * S * T * T);
+}
+
 // Lays the scratch out from `base` (null: only counts the entries); state_bytes: the size of one
-// entry of x's dtype (2 for bfloat16, 4 for float32).
+// entry of x's dtype (2 for bfloat16, 4 for float32). cs, decay and cb lie in p.prep when it is
+// set (then not counted here), else at the start of `base`.
 inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, int64_t state_bytes, float* base) {
   SsdScratch s;
   const int64_t S = p.nsubs(), BH = p.batch * p.nheads, BG = p.batch * p.ngroups;
@@ -94,9 +106,15 @@ inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, int64_t st
     s.total += (n + 63) / 64 * 64;  // 256-byte aligned pieces
     return at;
   };
-  s.cs = take(BH * S * T);
-  s.decay = take(BH * S);
-  s.cb = take(BG * S * T * T);
+  if (p.prep) {
+    s.cs = p.prep;
+    s.decay = s.cs + (BH * S * T + 63) / 64 * 64;
+    s.cb = s.decay + (BH * S + 63) / 64 * 64;
+  } else {
+    s.cs = take(BH * S * T);
+    s.decay = take(BH * S);
+    s.cb = take(BG * S * T * T);
+  }
   const int64_t state_entries = (BH * S * NP * state_bytes + 3) / 4;  // in float32 entries
   if (p.subs_per_chunk() > 1) s.states = take(state_entries);
   if (backward) {
