@@ -870,6 +870,45 @@ TEST(PatternCuda, LshBucketsShapesEqualCpu) {
       }
 }
 
+// Long rows (1025 tiles of 64 positions, one and two groups of heads): the carries of the column
+// sums across many tiles (carry_kernel's runs of tiles), with no sequence start after position 0,
+// a few, and starts inside most tiles; argmax and sign bits, h <= 8 and h = 12. Run twice: the
+// result does not change between calls. (Written with a one-pass variant of the kernels, which
+// measured slower and was not kept: experiments/lsh-onepass.patch.)
+TEST(PatternCuda, LshBucketsLongRowsEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(213);
+  const int64_t L = 65537;
+  struct Case {
+    int64_t B, H, N;
+    pat::Binning binning;
+    int64_t h;
+  };
+  for (Case c : {Case{1, 16, 32, pat::Binning::kSign, 8}, Case{2, 3, 8, pat::Binning::kArgmax, 5},
+                 Case{1, 4, 16, pat::Binning::kSign, 12}})
+    for (double rate : {0.0, 0.0002, 0.05})
+      for (bool integers : {false, true}) {
+        SCOPED_TRACE("B=" + std::to_string(c.B) + " H=" + std::to_string(c.H) + " h=" + std::to_string(c.h) +
+                     " start rate=" + std::to_string(rate) + " integers=" + std::to_string(integers));
+        const at::Tensor seq = rate > 0 ? random_packing(c.B, L, rate) : at::Tensor();
+        const at::Tensor x = integers ? at::randint(-2, 3, {c.B, L, c.H, c.N}).to(at::kFloat)
+                                      : at::randn({c.B, L, c.H, c.N}) + 2 * at::randn({c.N});
+        const at::Tensor proj =
+            integers ? at::randint(-2, 3, {c.N, c.h}).to(at::kFloat) : pat::lsh_projection(c.N, c.h, 31 + c.h);
+        const at::Tensor xb = x.to(at::kBFloat16), pb = proj.to(at::kBFloat16);
+        const at::Tensor want = pat::lsh_buckets(xb.to(at::kFloat), pb.to(at::kFloat), c.binning, seq);
+        const at::Tensor xg = cuda(xb), pg = cuda(pb), sg = cuda(seq);
+        const at::Tensor first = pat::lsh_buckets(xg, pg, c.binning, sg);
+        expect_cuda_lists(first, want, "bfloat16 buckets");
+        const at::Tensor second = pat::lsh_buckets(xg, pg, c.binning, sg);
+        EXPECT_TRUE(at::equal(second, first)) << "a second call: " << first_difference(second.cpu(), first.cpu());
+        if (c.h == 8)
+          expect_cuda_lists(pat::lsh_buckets(cuda(x), cuda(proj), c.binning, sg),
+                            pat::lsh_buckets(x, proj, c.binning, seq), "float32 buckets");
+      }
+}
+
 TEST(PatternCuda, LshEqualCpu) {
   HAX_REQUIRE_CUDA();
   PoisonOutputs poison;
