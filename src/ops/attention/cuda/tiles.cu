@@ -460,6 +460,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
   const int64_t off_q = ((int64_t)b * z.L * z.H + h) * z.D;
 
   gb.load(bs, gp, z);
+  // The first key tile's copies go out before lse and Δ are loaded, so that their latencies
+  // overlap (after them, every block waited for Δ's row loads, then for the tile's key list, then
+  // for the tile).
+  const int ntiles = (count + kTK - 1) / kTK;
+  wait_block_q_do<kAsync>(ntiles);
+  TileStream<DB, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
+  ts.start();
   for (int c = threadIdx.x; c < kQ; c += kThreads) {
     const int i = bs.rows[c];
     const float lse = i >= 0 ? ((const float*)p.lse)[bh * z.L + i] : -INFINITY;
@@ -469,10 +476,6 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
   const bool pairs_k = z.D % 2 == 0, pairs_v = z.Dv % 2 == 0;
 
   float dq[DT][4] = {};  // the warp's queries r0 + g, r0 + g + 8
-  const int ntiles = (count + kTK - 1) / kTK;
-  wait_block_q_do<kAsync>(ntiles);
-  TileStream<DB, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
-  ts.start();
   for (int tt = 0; tt < ntiles; ++tt) {
     const int buf = ts.begin(tt);
     const unsigned long long* sMask = bs.mask[buf];
