@@ -47,6 +47,8 @@
 // transposed. S and dS enter in their [n][p] layout (S by 16-byte stores, dS by cp.async) and M as
 // [i][j] rows, all read by ldmatrix.trans; same buffers, same shared memory. H100, ncu, 2026-11-23:
 // dx 1.04 -> 0.91 ms; local_state (gradient) is 0.25 ms now, dbdc 0.52, dcb 0.30, pass 0.20.
+// With chunk.cuh's heads-fastest block order and dbdc's row factors loaded a head ahead
+// (2026-11-24): dx 0.83, dbdc 0.37, local_state (gradient) 0.23, dcb 0.30, pass 0.20 ms.
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {

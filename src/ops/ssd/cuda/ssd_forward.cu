@@ -21,7 +21,8 @@
 // per-step coefficients on x, staged once per block as one 16-byte store per octet and half, and
 // copies B raw by cp.async in its [step][n] layout, two n tiles in flight (chunk.cuh); 3 and 5
 // store their outputs through a shared tile in 16-byte runs of rows. At L = 64K (B 1, H 16, P 64,
-// N 128, bf16) on an H100, ncu (2026-11-23): local_state 0.26, pass 0.21, chunk_scan 0.49 ms.
+// N 128, bf16) on an H100, ncu (2026-11-24, blocks in chunk.cuh's heads-fastest order): local_state
+// 0.24, pass 0.21, chunk_scan 0.44 ms.
 // Workspace (ssd_cuda_scratch): cs, decays, C B^T (float32), and the entering states of the
 // sub-chunks when a chunk has several (otherwise chunk_states holds them).
 #include "ops/ssd/cuda/chunk.cuh"
