@@ -451,7 +451,6 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
   __shared__ __align__(16) S_t sA2[kAsync ? kSlabSize<T> : 1];  // kAsync: the second buffers
   __shared__ __align__(16) S_t sB2[kAsync ? kSlabSize<T> : 1];
-  __shared__ StepVals sv;
   __shared__ float coef[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim, hpg = H / G;
   const int64_t tiles_n = (N + kT - 1) / kT, chunk = blockIdx.x / (2 * tiles_n);  // chunk: (b G + g) S + s
@@ -460,25 +459,12 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
   const bool is_dc = blockIdx.x % 2 == 1;
   const Sub u = sub_of(p, b, s);
   const int64_t ldx = H * P, ldn = G * N;
-  // The row factors of head h into coef (sv, coef free: the caller synchronized).
-  auto head_coef = [&](int64_t h) {
-    load_steps<T>(p, w, b, h, s, u, sv);
-    __syncthreads();
-    if (threadIdx.x < kT) {
-      const int i = threadIdx.x;
-      float c = 0.f;
-      if (i < u.len) {
-        if (is_dc) c = sv.seq[i] == u.s_prev ? expf(sv.cs[i]) : 0.f;
-        else c = sv.seq[i] == u.s_last ? expf(sv.cs[u.len - 1] - sv.cs[i]) * sv.dt[i] : 0.f;
-      }
-      coef[i] = c;
-    }
-  };
-  // kAsync: the same row factors without sv or a barrier: thread i < kT loads step i's inputs of
-  // the next head into registers while the current head's stage runs (coef_load) and writes its
-  // coef[i] when that head's stage begins (coef_store; the pipeline's barrier then publishes it).
-  // head_coef's barrier right after its loads exposed their latency once per head (H100, ncu,
-  // L = 64K: dbdc 462 -> 378 us with this, 2026-11-24).
+  // The row factors of a head: thread i < kT loads step i's inputs into registers (coef_load) and
+  // writes coef[i] from them (coef_store), no other thread's values needed. kAsync: the next
+  // head's inputs are loaded while the current head's stage runs, and coef is written when that
+  // head's stage begins (the pipeline's barrier then publishes it). Loading the step values into
+  // shared memory and waiting at a barrier for them before computing coef exposed their latency
+  // once per head (H100, ncu, L = 64K: dbdc 462 -> 378 us without that wait, 2026-11-24).
   struct CoefIn {
     float cs = 0.f, cs_last = 0.f, dt = 0.f;
     int32_t seq = 0;
@@ -494,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
     }
     return in;
   };
-  auto coef_store = [&](const CoefIn& in) {  // (as head_coef)
+  auto coef_store = [&](const CoefIn& in) {
     const int i = threadIdx.x;
     float c = 0.f;
     if (i < u.len) {
@@ -539,8 +525,8 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
 #pragma unroll 1
     for (int64_t hh = 0; hh < hpg; ++hh) {
       const int64_t h = g * hpg + hh, bh = b * H + h;
-      __syncthreads();  // the previous head is done with sv and coef
-      head_coef(h);
+      __syncthreads();  // the previous head is done with coef
+      if (threadIdx.x < kT) coef_store(coef_load(h));
       __syncthreads();
       const T* v = (const T*)(is_dc ? gp.dy : p.x) + ((b * p.seqlen + u.t0) * H + h) * P;
       const T* st = (is_dc ? states : (const T*)w.dstates) + (bh * S + s) * N * P + n0 * P;  // (n0 + n, p) at [n P + p]
