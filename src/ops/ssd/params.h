@@ -87,11 +87,26 @@ struct SsdScratch {
   int64_t total = 0;         // float32 entries in all
 };
 
-// Float32 entries of the pieces cs, decay and cb (p.prep), 256-byte aligned each.
-inline int64_t ssd_cuda_prep_entries(const SsdParams& p) {
+// Lays the pieces cs, decay and cb out from `base` (null: only counts them) into s; returns their
+// float32 entries. Pieces are 256-byte aligned, as in ssd_cuda_scratch.
+inline int64_t ssd_cuda_prep_layout(const SsdParams& p, float* base, SsdScratch& s) {
   const int64_t S = p.nsubs(), BH = p.batch * p.nheads, BG = p.batch * p.ngroups, T = kSsdSubChunk;
-  auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
-  return up(BH * S * T) + up(BH * S) + up(BG * S * T * T);
+  int64_t n = 0;
+  auto take = [&](int64_t k) {
+    float* at = base ? base + n : nullptr;
+    n += (k + 63) / 64 * 64;
+    return at;
+  };
+  s.cs = take(BH * S * T);
+  s.decay = take(BH * S);
+  s.cb = take(BG * S * T * T);
+  return n;
+}
+
+// Float32 entries of cs, decay and cb (the size of p.prep).
+inline int64_t ssd_cuda_prep_entries(const SsdParams& p) {
+  SsdScratch s;
+  return ssd_cuda_prep_layout(p, nullptr, s);
 }
 
 // Lays the scratch out from `base` (null: only counts the entries); state_bytes: the size of one
@@ -106,15 +121,8 @@ inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, int64_t st
     s.total += (n + 63) / 64 * 64;  // 256-byte aligned pieces
     return at;
   };
-  if (p.prep) {
-    s.cs = p.prep;
-    s.decay = s.cs + (BH * S * T + 63) / 64 * 64;
-    s.cb = s.decay + (BH * S + 63) / 64 * 64;
-  } else {
-    s.cs = take(BH * S * T);
-    s.decay = take(BH * S);
-    s.cb = take(BG * S * T * T);
-  }
+  if (p.prep) ssd_cuda_prep_layout(p, p.prep, s);
+  else s.total = ssd_cuda_prep_layout(p, base, s);  // (at the start of base: s.total was 0)
   const int64_t state_entries = (BH * S * NP * state_bytes + 3) / 4;  // in float32 entries
   if (p.subs_per_chunk() > 1) s.states = take(state_entries);
   if (backward) {

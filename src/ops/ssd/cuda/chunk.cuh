@@ -28,6 +28,19 @@ namespace hax::ops::ssd_cuda {
 
 constexpr int kPassThreads = 128;  // threads of a state-passing kernel's block
 
+// The (row, head, sub-chunk) of a per-(row, head, sub-chunk) block, heads fastest (block
+// h + H (s + S b), see above), and its row-head index bh and group g; H heads, S sub-chunks a
+// row, G groups.
+struct HeadSub {
+  int64_t b, h, s, bh, g;
+};
+__device__ __forceinline__ HeadSub head_sub_of_block(int64_t H, int64_t S, int64_t G) {
+  HeadSub r;
+  r.h = blockIdx.x % H, r.s = (blockIdx.x / H) % S, r.b = blockIdx.x / (H * S);
+  r.bh = r.b * H + r.h, r.g = r.h / (H / G);
+  return r;
+}
+
 // Where a sub-chunk lies and the sequence numbers around it.
 struct Sub {
   int64_t t0;      // first step
@@ -167,7 +180,8 @@ __device__ __forceinline__ void local_state_staged(const SsdParams& p, const Ssd
   __shared__ StepVals sv;
   __shared__ float coef[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const int64_t h = blockIdx.x % H, s = (blockIdx.x / H) % S, b = blockIdx.x / (H * S), bh = b * H + h, g = h / (H / G);
+  const HeadSub place = head_sub_of_block(H, S, G);
+  const int64_t b = place.b, h = place.h, s = place.s, bh = place.bh, g = place.g;
   const int64_t p0 = (int64_t)blockIdx.y * kT;
   const Sub u = sub_of(p, b, s);
   load_steps<T>(p, w, b, h, s, u, sv);
@@ -233,7 +247,8 @@ __device__ __forceinline__ void local_state_kn(const SsdParams& p, const SsdScra
   __shared__ __align__(16) bf16 sVl[kSlabSize<bf16>];  // and lo
   __shared__ float coef[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const int64_t h = blockIdx.x % H, s = (blockIdx.x / H) % S, b = blockIdx.x / (H * S), bh = b * H + h, g = h / (H / G);
+  const HeadSub place = head_sub_of_block(H, S, G);
+  const int64_t b = place.b, h = place.h, s = place.s, bh = place.bh, g = place.g;
   const int64_t p0 = (int64_t)blockIdx.y * kT;
   const Sub u = sub_of(p, b, s);
   const int64_t ldu = G * N, ldv = H * P;  // between steps

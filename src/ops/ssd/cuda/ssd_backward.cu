@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   __shared__ StepVals sv;
   __shared__ float wj[kT], re[kT], scratch[2 * kT], red[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const int64_t h = blockIdx.x % H, s = (blockIdx.x / H) % S, b = blockIdx.x / (H * S), bh = b * H + h, g = h / (H / G);
+  const HeadSub place = head_sub_of_block(H, S, G);
+  const int64_t b = place.b, h = place.h, s = place.s, bh = place.bh, g = place.g;
   const Sub u = sub_of(p, b, s);
   // kTiles: copies the tiles of columns p0.. (rows >= len and columns >= P zero-filled) as one
   // commit group; waited for at the last barrier of the Y product, which publishes them.

@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
   __shared__ StepVals sv;
   __shared__ float re[kT];
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
-  const int64_t h = blockIdx.x % H, s = (blockIdx.x / H) % S, b = blockIdx.x / (H * S), bh = b * H + h, g = h / (H / G);
+  const HeadSub place = head_sub_of_block(H, S, G);
+  const int64_t b = place.b, h = place.h, s = place.s, bh = place.bh, g = place.g;
   const int64_t p0 = (int64_t)blockIdx.y * kT;
   const Sub u = sub_of(p, b, s);
   load_steps<T>(p, w, b, h, s, u, sv);
