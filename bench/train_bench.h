@@ -17,6 +17,11 @@ struct TrainBenchConfig {
   int64_t warmup = 5;           // untimed steps first
   int64_t sparse_keys = 64;     // k (paper: 64)
   int64_t chunk_size = 64;      // Mamba-2 SSD chunk
+  // Model initializations timed per variant and step kind (seeds 1..seeds). A sparse variant's step
+  // cost depends on the patterns its activations give (bucket sizes, tile overflow), so one
+  // training trajectory is one sample: any change to the numerics moves it (BENCHMARKS.md,
+  // eighteenth pass). With several, each run is a row and the JSON's "summary" has the median.
+  int64_t seeds = 1;
   std::string precision = "fp32";  // fp32 or bf16 (autocast)
   // The step as it was before the host-side work (for comparison): the loss, accuracy and
   // gradient norm read back every step, per-tensor AdamW and clipping, device-value argument

@@ -1,6 +1,7 @@
 // The command line end to end: bad input, Ctrl-C and resume, NaN guard, data, info, eval.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <csignal>
 #include <nlohmann/json.hpp>
 
@@ -176,4 +177,32 @@ TEST(Cli, InfoCountsParameters) {
   EXPECT_NE(r.out.find(std::to_string(100 * 64 + 2 * (64 * 328 + 192 * 5 + 24 + 128 + 128 * 64 + 64) + 64)),
             std::string::npos)
       << r.out;
+}
+
+TEST(Cli, BenchTrainTimesEachSeedAndReportsTheirMedian) {
+  // A sparse variant's step cost depends on its training trajectory, so `--seeds N` times N model
+  // initializations: a row each (seeds 1..N), and the median, min and max in "summary".
+  const std::string dir = temp_dir("bench_train");
+  const std::string out = dir + "/bench.json";
+  CliResult r = run_hax({"bench", "train", "--device", "cpu", "--variants", "mamba2+base", "--batch", "2", "--steps",
+                         "1", "--warmup", "0", "--seeds", "3", "--graphs", "off", "--threads", "2", "--json", out});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(slurp(out));
+  ASSERT_EQ(j["results"].size(), 3u);
+  std::vector<double> rates;
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(j["results"][k]["seed"].get<int64_t>(), k + 1);
+    EXPECT_EQ(j["results"][k]["variant"].get<std::string>(), "mamba2+base");
+    rates.push_back(j["results"][k]["steps_per_s"].get<double>());
+  }
+  std::sort(rates.begin(), rates.end());
+  ASSERT_EQ(j["summary"].size(), 1u);
+  const auto& s = j["summary"][0];
+  EXPECT_EQ(s["seeds"].get<int64_t>(), 3);
+  EXPECT_DOUBLE_EQ(s["steps_per_s_median"].get<double>(), rates[1]);
+  EXPECT_DOUBLE_EQ(s["steps_per_s_min"].get<double>(), rates[0]);
+  EXPECT_DOUBLE_EQ(s["steps_per_s_max"].get<double>(), rates[2]);
+  EXPECT_NE(r.out.find("median"), std::string::npos) << r.out;
+  expect_cli_error({"bench", "train", "--seeds", "0"}, "--seeds 0 must be in 1..100");
+  hax::testing::remove_tree(dir);
 }

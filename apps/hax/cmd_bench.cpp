@@ -90,6 +90,9 @@ Command add_bench_command(CLI::App& app) {
   tr->add_option("--steps", tr_st->cfg.steps, "timed steps");
   tr->add_option("--warmup", tr_st->cfg.warmup, "untimed steps first");
   tr->add_option("--sparse-keys", tr_st->cfg.sparse_keys, "k of the sparse variants");
+  tr->add_option("--seeds", tr_st->cfg.seeds,
+                 "model initializations to time (seeds 1..N; a sparse variant's step cost depends on its "
+                 "trajectory): one row each, and their median");
   tr->add_flag("--host-sync", tr_st->cfg.host_sync,
                "time the step as before: metrics read back every step, per-tensor AdamW and clipping, "
                "device-value argument checks (for comparison)");
@@ -108,6 +111,7 @@ Command add_bench_command(CLI::App& app) {
       HAX_CHECK(!cfg.variants.empty(), "--variants is empty; name at least one Table 1 variant");
       HAX_CHECK(cfg.batch > 0, "--batch {} must be positive", cfg.batch);
       HAX_CHECK(cfg.steps > 0, "--steps {} must be positive", cfg.steps);
+      HAX_CHECK(cfg.seeds >= 1 && cfg.seeds <= 100, "--seeds {} must be in 1..100", cfg.seeds);
       HAX_CHECK(cfg.warmup >= 0, "--warmup {} must be non-negative", cfg.warmup);
       HAX_CHECK(cfg.op_counts >= 0, "--op-counts {} must be non-negative", cfg.op_counts);
       HAX_CHECK(cfg.graphs == "both" || cfg.graphs == "on" || cfg.graphs == "off",
