@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 
+#include "bench/timing.h"
 #include "core/cuda_util.h"
 #include "core/error.h"
 #include "layers/sparse_branch.h"
@@ -33,9 +34,9 @@ GpuTiming time_gpu(const std::function<void()>& fn, int warmup, int repeats, int
   auto median_of = [&](int n, double* min_out) {
     std::vector<double> ms;
     for (int i = 0; i < repeats; ++i) ms.push_back(cuda_elapsed_ms(fn, n));
-    std::sort(ms.begin(), ms.end());
-    if (min_out) *min_out = ms.front();
-    return ms[ms.size() / 2];
+    const Spread t = spread_of(ms);
+    if (min_out) *min_out = t.min;
+    return t.median;
   };
   GpuTiming t;
   t.median_ms = median_of(calls, &t.min_ms);

@@ -7,6 +7,15 @@
 
 namespace hax::bench {
 
+// Median (the upper one of an even count), minimum and maximum of some values.
+struct Spread {
+  double median = 0, min = 0, max = 0;
+};
+inline Spread spread_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front(), v.back()};
+}
+
 struct Timing {
   double median_ms = 0, min_ms = 0;
   int runs = 0;
@@ -25,8 +34,8 @@ inline Timing time_it(const std::function<void()>& fn, int warmup, int repeats, 
     ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
     if (std::chrono::duration<double>(t1 - start).count() > budget_s) break;
   }
-  std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.front(), (int)ms.size()};
+  const Spread t = spread_of(ms);
+  return {t.median, t.min, (int)ms.size()};
 }
 
 }  // namespace hax::bench

@@ -1,12 +1,12 @@
 #include "bench/train_bench.h"
 #include "bench/op_counts.h"
+#include "bench/timing.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <ATen/record_function.h>
 
-#include <algorithm>
 #include <chrono>
 
 #include "core/cuda_util.h"
@@ -160,15 +160,12 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
         rates.push_back(1e3 / ms);
       }
       if (cfg.seeds > 1) {
-        std::vector<double> sorted = rates;
-        std::sort(sorted.begin(), sorted.end());
-        const size_t n = sorted.size();
-        const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+        const Spread r = spread_of(rates);
         fmt::print("{:<14} {:<7} median {:.1f} steps/s over {} seeds (min {:.1f}, max {:.1f})\n", variant,
-                   graphed ? "graph" : "eager", median, n, sorted.front(), sorted.back());
-        report["summary"].push_back({{"variant", variant}, {"cuda_graphs", graphed}, {"seeds", (int64_t)n},
-                                     {"steps_per_s_median", median}, {"steps_per_s_min", sorted.front()},
-                                     {"steps_per_s_max", sorted.back()}});
+                   graphed ? "graph" : "eager", r.median, rates.size(), r.min, r.max);
+        report["summary"].push_back({{"variant", variant}, {"cuda_graphs", graphed}, {"seeds", (int64_t)rates.size()},
+                                     {"steps_per_s_median", r.median}, {"steps_per_s_min", r.min},
+                                     {"steps_per_s_max", r.max}});
       }
     }
   }

@@ -20,7 +20,8 @@ struct TrainBenchConfig {
   // Model initializations timed per variant and step kind (seeds 1..seeds). A sparse variant's step
   // cost depends on the patterns its activations give (bucket sizes, tile overflow), so one
   // training trajectory is one sample: any change to the numerics moves it (BENCHMARKS.md,
-  // eighteenth pass). With several, each run is a row and the JSON's "summary" has the median.
+  // eighteenth pass). With several, each run is a row and the JSON's "summary" has their median (the upper
+  // one of an even count, as the other benches), min and max.
   int64_t seeds = 1;
   std::string precision = "fp32";  // fp32 or bf16 (autocast)
   // The step as it was before the host-side work (for comparison): the loss, accuracy and
