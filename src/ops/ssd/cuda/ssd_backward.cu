@@ -49,6 +49,7 @@
 // dx 1.04 -> 0.91 ms; local_state (gradient) is 0.25 ms now, dbdc 0.52, dcb 0.30, pass 0.20.
 // With chunk.cuh's heads-fastest block order and dbdc's row factors loaded a head ahead
 // (2026-11-24): dx 0.83, dbdc 0.37, local_state (gradient) 0.23, dcb 0.30, pass 0.20 ms.
+#include "ops/cuda/side_stream.cuh"
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -673,19 +674,19 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
       launch_state_pass<T, false>(p, w, states, true, nullptr, nullptr, stream);
     }
   }
-  // The gradient of the state leaving each sub-chunk, and dinit.
+  // The gradient of the state leaving each sub-chunk, and dinit. dcb needs neither states nor
+  // dx's results: it runs on a side stream beside the pass (memory-bound, a block an SM) and dx.
   if (has_states) {
     if (vec) local_state_kernel<T, true, true><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, (T*)w.dstates);
     else local_state_kernel<T, true, false><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, (T*)w.dstates);
-    launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
   }
-  if (vec) {
-    dx_kernel<T, true><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
-    dcb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(gp, w);
-  } else {
-    dx_kernel<T, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
-    dcb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(gp, w);
-  }
+  const cudaStream_t side = cuda::SideStream::fork(stream);
+  if (vec) dcb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, side>>>(gp, w);
+  else dcb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, side>>>(gp, w);
+  if (has_states) launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
+  if (vec) dx_kernel<T, true><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+  else dx_kernel<T, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+  cuda::SideStream::join(stream);  // dbdc reads dcb
   if (tiles_n > 0) {
     const unsigned grid = (unsigned)(B * S * G * tiles_n * 2);
     if (vec) dbdc_kernel<T, true><<<grid, kThreads, 0, stream>>>(gp, w, states);

@@ -25,6 +25,7 @@
 // 0.24, pass 0.21, chunk_scan 0.44 ms.
 // Workspace (ssd_cuda_scratch): cs, decays, C B^T (float32), and the entering states of the
 // sub-chunks when a chunk has several (otherwise chunk_states holds them).
+#include "ops/cuda/side_stream.cuh"
 #include "ops/ssd/cuda/chunk.cuh"
 
 namespace hax::ops {
@@ -181,9 +182,11 @@ void forward(const SsdParams& p, cudaStream_t stream) {
   const unsigned prep_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
   if (prep_blocks > 0) prep_kernel<T><<<prep_blocks, 128, 0, stream>>>(p, w);
   const bool vec = ssd_vec(p);
+  // C B^T is only needed by chunk_scan: it runs on a side stream beside the states' kernels.
+  const cudaStream_t side = cuda::SideStream::fork(stream);
   if (B * S * G > 0) {
-    if (vec) cb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
-    else cb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
+    if (vec) cb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, side>>>(p, w);
+    else cb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, side>>>(p, w);
   }
   if (B * S * H * tiles_n * tiles_p > 0) {
     const dim3 grid((unsigned)(B * S * H), (unsigned)tiles_p);
@@ -191,6 +194,7 @@ void forward(const SsdParams& p, cudaStream_t stream) {
     else local_state_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
     launch_state_pass<T, false>(p, w, states, false, nullptr, nullptr, stream);
   }
+  cuda::SideStream::join(stream);
   if (B * S * H * tiles_p > 0) {
     const dim3 grid((unsigned)(B * S * H), (unsigned)tiles_p);
     if (vec) chunk_scan_kernel<T, true><<<grid, kThreads, 0, stream>>>(p, w, states);
