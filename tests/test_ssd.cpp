@@ -1,5 +1,7 @@
 // SSD scan: chunked kernel vs. the naive float64 recurrence, gradients, states, packing; the CUDA
 // kernels against the CPU op (float32) and the float64 recurrence (bfloat16).
+#include <cstdlib>
+
 #include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/ssd/ssd.h"
@@ -313,6 +315,33 @@ TEST(SsdCuda, BackwardIsDeterministic) {
     Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), dtype);
     Tensors w = random_cotangents(c.op(clone_leaves(in)));
     auto [o1, g1] = run_on_device(c.op, in, w);
+    auto [o2, g2] = run_on_device(c.op, in, w);
+    for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
+    for (size_t i = 0; i < g1.size(); ++i) {
+      if (g1[i].defined()) {
+        EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
+      }
+    }
+  }
+}
+
+TEST(SsdCuda, SideStreamGivesBitIdenticalResults) {
+  // C B^T (forward) and dcb (backward) run on a side stream beside the state kernels
+  // (HAX_SIDE_STREAM=0: everything on one stream): each entry is computed by the same kernel code
+  // either way, so both give the same bits, with chunks of several pieces, packing and an initial state.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(39);
+  struct Env {  // restores the default on every exit
+    ~Env() { unsetenv("HAX_SIDE_STREAM"); }
+  } restore;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(::testing::Message() << "dtype=" << dtype);
+    OpCase c = ssd_case({2, 300, 6, 64, 2, 64, 100, true, true, true});
+    Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), dtype);
+    Tensors w = random_cotangents(c.op(clone_leaves(in)));
+    setenv("HAX_SIDE_STREAM", "0", 1);
+    auto [o1, g1] = run_on_device(c.op, in, w);
+    setenv("HAX_SIDE_STREAM", "1", 1);
     auto [o2, g2] = run_on_device(c.op, in, w);
     for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
     for (size_t i = 0; i < g1.size(); ++i) {
