@@ -9,8 +9,8 @@
 // fork and join are stream operations (an event recorded on one stream and waited for by the
 // other), so a CUDA graph capture of `main` takes the side stream's kernels in as a branch of the
 // graph. One side stream per thread and device (two threads never share its events), created at
-// its first use (also during a capture: in relaxed capture mode for that call), at the lowest
-// priority, so that main's kernels, the critical path, take free SMs first.
+// its first use (also during a capture: in relaxed capture mode for that call), non-blocking, at
+// the default priority.
 // HAX_SIDE_STREAM=0 runs everything on `main` instead (fork returns main and join does nothing),
 // for comparisons.
 #pragma once
@@ -61,9 +61,7 @@ class SideStream {
     if (!s.stream_) {
       cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;  // creation is allowed in a capture
       check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
-      int least = 0, greatest = 0;
-      cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-      if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, least);
+      cudaError_t e = cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking);
       if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s.fork_, cudaEventDisableTiming);
       if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s.join_, cudaEventDisableTiming);
       cudaThreadExchangeStreamCaptureMode(&mode);

@@ -413,7 +413,7 @@ struct StateVec {
 //     of the state leaving each sub-chunk, from dfinal (zeros without one) back to dinit.
 // The pass is bound by load latency (one chain per entry, 1024 sub-chunks at L = 64K): 16-byte
 // accesses and the loads of the next kAhead sub-chunks in flight keep the bytes in flight up, and
-// (kPrefetch) the group after next is prefetched into L2, so that its loads, issued a group later,
+// the group after next is prefetched into L2, so that its loads, issued a group later,
 // find it there. H100, L = 64K, ncu: 205 -> 187 us a pass with the prefetch (kAhead 16 without it:
 // 192; 16 with it: 196; 4 with it: 204-212).
 // Grid: B * H * ceil(N P / (V kPassThreads)) blocks of kPassThreads (launch_state_pass).
@@ -434,7 +434,6 @@ __global__ void __launch_bounds__(kPassThreads) state_pass_kernel(SsdParams p, S
   // Sub-chunks go in groups of kAhead; the loads of the next group are issued before the
   // dependent updates of the current one.
   constexpr int kAhead = 8;
-  constexpr bool kPrefetch = true;
   typename Vec::Raw loc[kAhead];
   float dg[kAhead];
   // Loads group grp (sub-chunks grp kAhead + m, reversed for kReverse) into l, d.
@@ -455,7 +454,7 @@ __global__ void __launch_bounds__(kPassThreads) state_pass_kernel(SsdParams p, S
     typename Vec::Raw nloc[kAhead];
     float ndg[kAhead];
     if (grp + 1 < groups) load(grp + 1, nloc, ndg);
-    if (kPrefetch && grp + 2 < groups) {  // the group after next into L2 (no registers held)
+    if (grp + 2 < groups) {  // the group after next into L2 (no registers held)
 #pragma unroll
       for (int m = 0; m < kAhead; ++m) {
         const int64_t s0 = (grp + 2) * kAhead + m, s = kReverse ? S - 1 - s0 : s0;

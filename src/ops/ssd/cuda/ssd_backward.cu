@@ -19,6 +19,8 @@
 //   5.   state_pass_kernel<kReverse>: dS of every sub-chunk, dinit
 //   6.   dx_kernel    per (row, head, sub-chunk): dx, and the per-step v, u, x.dXd, and g <dS, S>
 //   7.   dcb_kernel   per (row, group, sub-chunk), heads in order: dM, intra_i, dCB summed over heads
+//                    (launched after 4 on a side stream, ops/cuda/side_stream.cuh: it needs neither
+//                    states nor dx's results, and runs beside 5 and 6; joined before 8)
 //   8.   dbdc_kernel  per (row, group, sub-chunk, 64 columns of N, dB or dC): heads summed in the
 //                    product's k (no atomics)
 //   9.   ddt_kernel   one thread per (row, head, sub-chunk): d(cs), its reverse cumsum, ddt, dA

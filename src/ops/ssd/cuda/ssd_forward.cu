@@ -3,7 +3,8 @@
 // The sequence is cut into sub-chunks of at most 64 steps (params.h, kSsdSubChunk); notation in
 // chunk.cuh. Five launches:
 //   1. prep_kernel        cs (cumsum of dt A) and the decay g of each (row, head, sub-chunk)
-//   2. cb_kernel          C B^T per (row, group, sub-chunk), 64 x 64, shared by the group's heads
+//   2. cb_kernel          C B^T per (row, group, sub-chunk), 64 x 64, shared by the group's heads;
+//                         on a side stream (ops/cuda/side_stream.cuh) beside 3 and 4, joined before 5
 //   3. local_state_kernel the sub-chunks' own contributions Σ_j w_j B_j (dt_j x_j)^T, (N, P) each
 //   4. state_pass_kernel  sequential over sub-chunks, parallel over (row, head, state entry): the
 //                         state entering each sub-chunk (in place), chunk_states, final_state
