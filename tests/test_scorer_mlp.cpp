@@ -105,7 +105,9 @@ TEST(ScorerMlp, BadArgumentsNameTheTensorAndConstraint) {
   EXPECT_NE(m.find("b1"), std::string::npos) << m;
 }
 
-// Every hidden width the kernel takes, input widths 2N = 16 .. 256, and awkward position counts.
+// Every hidden width the kernels take, input widths 2N = 16 .. 256, and awkward position counts.
+// Hidden 64 or 128 with 2N a multiple of 64 runs the warpgroup kernel on an H100 build
+// (scorer_mlp_wgmma.cu), the other sizes scorer_mlp.cu's.
 TEST(ScorerMlpCuda, Bfloat16WithinTwiceNaiveError) {
   HAX_REQUIRE_CUDA();
   struct Size {
@@ -113,7 +115,8 @@ TEST(ScorerMlpCuda, Bfloat16WithinTwiceNaiveError) {
   };
   const std::vector<Size> sizes = {{1, 1, 1, 8, 16},    {2, 63, 3, 16, 32},  {1, 97, 5, 24, 64},
                                    {1, 1025, 4, 64, 128}, {1, 65537, 1, 64, 128}, {3, 97, 2, 128, 128},
-                                   {1, 33, 2, 32, 16}};
+                                   {1, 33, 2, 32, 16},   {1, 97, 3, 32, 64},  {2, 63, 2, 96, 64},
+                                   {1, 1025, 2, 32, 128}, {1, 1, 1, 64, 64}};
   for (const auto& s : sizes) {
     torch::manual_seed(s.L * 7 + s.N);
     const OpCase c = scorer_case(s.B, s.L, s.H, s.N, s.hidden);

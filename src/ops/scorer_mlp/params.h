@@ -31,5 +31,9 @@ inline bool scorer_mlp_cuda_supports(int64_t half, int64_t hidden) {
 
 // The CUDA kernel; `stream` is a cudaStream_t.
 void scorer_mlp_forward_cuda(const ScorerMlpParams& p, void* stream);
+// Its warpgroup form (cuda/scorer_mlp_wgmma.cu), which scorer_mlp_forward_cuda takes first: hidden
+// 64 or 128 and 2N a multiple of 64, on a device that runs the build's sm_90a binary, unless
+// HAX_SCORER_WGMMA=0. Returns false (launching nothing) where it does not apply.
+bool scorer_mlp_wgmma_forward_cuda(const ScorerMlpParams& p, void* stream);
 
 }  // namespace hax::ops

@@ -298,7 +298,7 @@ void launch(const ScorerMlpParams& p, cudaStream_t stream) {
 }  // namespace
 
 void scorer_mlp_forward_cuda(const ScorerMlpParams& p, void* stream) {
-  if (p.rows == 0) return;
+  if (p.rows == 0 || scorer_mlp_wgmma_forward_cuda(p, stream)) return;
   const cudaStream_t s = (cudaStream_t)stream;
   switch (p.hidden) {
     case 16: return launch<16>(p, s);
