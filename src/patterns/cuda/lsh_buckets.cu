@@ -20,12 +20,15 @@
 //   carry_kernel         block per (b, c): an exclusive segmented scan of the tile sums (each thread
 //                        folds kCarryPer consecutive tiles, warp shuffles and the block's warp totals
 //                        join them), leaving in `tiles` the running sum before each tile (its carry);
-//   bin_kernel           a group of G lanes (G = power of two >= h) per (b, tile, head), lane j
-//                        owning column j: the running sum continues from the carry position by
-//                        position, and the group combines its h values into the bucket by shuffles
-//                        (the sign of p decided without the division unless p is within ulps of 0).
-//                        With h > 32 (argmax only) center_kernel writes p into `values` instead and
-//                        argmax_kernel bins it, one thread per (b, i, head) in the CPU's loop.
+//   bin_signs_kernel     (sign bits, h <= 32) a group of G lanes (G = power of two >= h) per
+//                        (b, tile, head), lane j owning column j: the running sum continues from
+//                        the carry position by position, the sign of each p (decided without the
+//                        division unless p is within ulps of 0) a bit of the lane's 64-bit mask;
+//                        the group then assembles each position's bucket from its lanes' masks.
+//                        bin_kernel does argmax (h <= 32) in such groups, by shuffles at every
+//                        position. With h > 32 (argmax only) center_kernel writes p into `values`
+//                        instead and argmax_kernel bins it, one thread per (b, i, head) in the
+//                        CPU's loop.
 // At a sequence start the sum is reset to 0 before adding, as on the CPU, so the first position
 // of a sequence centers to exactly 0. Elsewhere the sums are added in another order than the
 // CPU's single running sum, so a value within an ulp of a decision boundary (sign of ~1e-16
@@ -349,7 +352,8 @@ __global__ void carry_kernel(LshBucketsParams p) {
 }
 
 // Column c at every position of the tile, in order: fn(i, v, run, cnt), its centered value being
-// v - run / cnt (the CPU's p).
+// v - run / cnt (the CPU's p). (Loading 4 or 8 positions' values and starts before using them
+// measured slower on the H100: 47 us a call of bin_signs_kernel as here, 47 and 50 us batched.)
 template <class F>
 __device__ __forceinline__ void centered_tile(const LshBucketsParams& p, int64_t b, int64_t tile, int64_t c,
                                               bool active, F&& fn) {
@@ -377,6 +381,8 @@ __device__ __forceinline__ bool centered_positive(double v, double run, double c
   return v - run / cnt > 0;
 }
 
+// Argmax with h <= 32: a group of G lanes per (b, tile, head), lane j owning column j, the group's
+// best column found by shuffles at each position.
 __global__ void bin_kernel(LshBucketsParams p, int G) {
   const int64_t nT = lsh_bucket_tiles(p.L);
   const int j = threadIdx.x % G;
@@ -386,27 +392,58 @@ __global__ void bin_kernel(LshBucketsParams p, int G) {
   for (int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; g < p.B * nT * p.H; g += groups) {
     const int64_t hd = g % p.H, tile = (g / p.H) % nT, b = g / (p.H * nT);  // the group's (b, tile, head)
     centered_tile(p, b, tile, hd * p.h + j, active, [&](int64_t i, double v, double run, double cnt) {
-      int32_t bucket;
-      if (!p.argmax) {  // bit j = p_j > 0
-        unsigned bits = active && centered_positive(v, run, cnt) ? 1u << j : 0u;
-        for (int o = 1; o < G; o <<= 1) bits |= __shfl_xor_sync(mask, bits, o);
-        bucket = (int32_t)bits;
-      } else {
-        // The CPU keeps the first j with p_j > p_bucket, starting from 0: the first index of the
-        // maximum over the non-NaN values, or 0 when p_0 is NaN.
-        const double pv = v - run / cnt;
-        double bv = pv;
-        int bj = active && !isnan(pv) ? j : INT_MAX;  // INT_MAX: no candidate
-        for (int o = 1; o < G; o <<= 1) {
-          const double ov = __shfl_xor_sync(mask, bv, o);
-          const int oj = __shfl_xor_sync(mask, bj, o);
-          if (oj != INT_MAX && (bj == INT_MAX || ov > bv || (ov == bv && oj < bj))) bv = ov, bj = oj;
-        }
-        const int p0_nan = __shfl_sync(mask, (int)isnan(pv), 0, G);
-        bucket = p0_nan ? 0 : bj;
+      // The CPU keeps the first j with p_j > p_bucket, starting from 0: the first index of the
+      // maximum over the non-NaN values, or 0 when p_0 is NaN.
+      const double pv = v - run / cnt;
+      double bv = pv;
+      int bj = active && !isnan(pv) ? j : INT_MAX;  // INT_MAX: no candidate
+      for (int o = 1; o < G; o <<= 1) {
+        const double ov = __shfl_xor_sync(mask, bv, o);
+        const int oj = __shfl_xor_sync(mask, bj, o);
+        if (oj != INT_MAX && (bj == INT_MAX || ov > bv || (ov == bv && oj < bj))) bv = ov, bj = oj;
       }
-      if (j == 0) p.out[(b * p.L + i) * p.H + hd] = bucket;
+      const int p0_nan = __shfl_sync(mask, (int)isnan(pv), 0, G);
+      if (j == 0) p.out[(b * p.L + i) * p.H + hd] = p0_nan ? 0 : bj;
     });
+  }
+}
+
+// Sign bits (h <= 32, not argmax): groups as bin_kernel's, but a lane first collects its column's
+// signs over the tile into one 64-bit mask, with no work across lanes a position; then lane j
+// assembles the buckets of positions P j .. P j + P - 1 (P = 64 / G) from the group's G masks and
+// stores them. (Sign bits by shuffles at every position, as bin_kernel's argmax, took 72-93 us a
+// call at L = 64K x 16 heads, h = 8, on the H100; this kernel 47 us.)
+template <int G>
+__global__ void bin_signs_kernel(LshBucketsParams p) {
+  static_assert(kLshTile == 64, "a lane's signs of a tile are one 64-bit mask");
+  constexpr int P = (int)kLshTile / G;  // positions whose buckets a lane assembles
+  const int64_t nT = lsh_bucket_tiles(p.L);
+  const int j = threadIdx.x % G;
+  const unsigned mask = dev::group_mask(G);
+  const bool active = j < p.h;
+  const int64_t groups = (int64_t)gridDim.x * blockDim.x / G;
+  for (int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; g < p.B * nT * p.H; g += groups) {
+    const int64_t hd = g % p.H, tile = (g / p.H) % nT, b = g / (p.H * nT);  // the group's (b, tile, head)
+    const int64_t t0 = tile * kLshTile, t1 = t0 + kLshTile < p.L ? t0 + kLshTile : p.L;
+    uint64_t signs = 0;  // bit i - t0: p_j > 0 at position i
+    centered_tile(p, b, tile, hd * p.h + j, active, [&](int64_t i, double v, double run, double cnt) {
+      if (active && centered_positive(v, run, cnt)) signs |= 1ull << (i - t0);
+    });
+    uint32_t bucket[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) bucket[k] = 0;
+#pragma unroll
+    for (int o = 0; o < G; ++o) {
+      const uint64_t mo = __shfl_sync(mask, signs, o, G);
+      const uint64_t part = P == 64 ? mo : (mo >> (P * j)) & ((1ull << (P % 64)) - 1);
+#pragma unroll
+      for (int k = 0; k < P; ++k) bucket[k] |= (uint32_t)((part >> k) & 1u) << o;
+    }
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int64_t i = t0 + P * j + k;
+      if (i < t1) p.out[(b * p.L + i) * p.H + hd] = (int32_t)bucket[k];
+    }
   }
 }
 
@@ -458,7 +495,19 @@ void lsh_buckets_cuda(const LshBucketsParams& p, DType dtype, void* stream) {
   ops::cuda::check_launch("lsh_buckets (project)");
   carry_kernel<<<dev::grid_for(p.B * C, 1), kCarryThreads, 0, st>>>(p);
   ops::cuda::check_launch("lsh_buckets (carry)");
-  if (p.h <= 32) {
+  if (p.h <= 32 && !p.argmax) {
+    const int G = dev::lanes_per_list(p.h);
+    const unsigned grid = dev::grid_for(p.B * nT * p.H * G, t);
+    switch (G) {
+      case 1: bin_signs_kernel<1><<<grid, t, 0, st>>>(p); break;
+      case 2: bin_signs_kernel<2><<<grid, t, 0, st>>>(p); break;
+      case 4: bin_signs_kernel<4><<<grid, t, 0, st>>>(p); break;
+      case 8: bin_signs_kernel<8><<<grid, t, 0, st>>>(p); break;
+      case 16: bin_signs_kernel<16><<<grid, t, 0, st>>>(p); break;
+      default: bin_signs_kernel<32><<<grid, t, 0, st>>>(p); break;
+    }
+    ops::cuda::check_launch("lsh_buckets (bin signs)");
+  } else if (p.h <= 32) {
     const int G = dev::lanes_per_list(p.h);
     bin_kernel<<<dev::grid_for(p.B * nT * p.H * G, t), t, 0, st>>>(p, G);
     ops::cuda::check_launch("lsh_buckets (bin)");
