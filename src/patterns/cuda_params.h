@@ -114,6 +114,22 @@ struct LshSortParams {
 size_t lsh_sort_temp_bytes(int64_t n, bool keys64, int bits);
 void lsh_sort_cuda(const LshSortParams& p, void* stream);
 
+// The short-key case of the sort above (rows of one sequence each, row_stride nb·L) as a counting
+// sort by bucket, stable in position, for nb <= kBucketSortMaxBuckets: every row's positions in
+// (bucket, position) order, and the full keys (r·nb + c)·L + i of them (lsh_bucket_sort.cu).
+constexpr int64_t kBucketSortMaxBuckets = 1024;
+constexpr int64_t kBucketSortTile = 2048;  // positions a block counts and scatters
+struct LshBucketSortParams {
+  int64_t B = 0, L = 0, H = 0;
+  int64_t num_buckets = 0;          // nb <= kBucketSortMaxBuckets
+  const int32_t* bucket = nullptr;  // (B, L, H) buckets, each in [0, nb)
+  int32_t* counts = nullptr;        // workspace: (2, B·H, nb, T) and (B·H, nb), T = ceil(L / kBucketSortTile)
+  bool keys64 = true;               // keys are uint64 (else uint32: needs B·H·nb·L <= 2^32)
+  void* keys = nullptr;             // out (B, H, L) the sorted full keys, or null
+  int32_t* pos = nullptr;           // out (B, H, L) their positions
+};
+void lsh_bucket_sort_cuda(const LshBucketSortParams& p, void* stream);
+
 // Query i's keys: the sorted key entries of its sequence and its query bucket with position <= i
 // are one slice, ending at hi = the number of the row's sorted keys <= key(c, i) (found through a
 // table of every S-th sorted key in shared memory, then one window of S entries); the last K of

@@ -104,12 +104,28 @@ LshSorted lsh_sorted(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const bool sort64 = keys64 && !short_keys;
   const auto key_opts = at::TensorOptions().dtype(keys64 ? at::kLong : at::kInt).device(dev);
   const auto sort_opts = at::TensorOptions().dtype(sort64 ? at::kLong : at::kInt).device(dev);
-  const size_t temp_bytes = joint ? lsh_sort_temp_bytes(B * H * L, sort64, bits) : 0;
-  const at::Tensor temp = joint ? at::empty({(int64_t)std::max<size_t>(temp_bytes, 1)},
-                                            at::TensorOptions().dtype(at::kByte).device(dev))
-                                : at::Tensor();
-  // Every (b, h) row's sort keys of (sequence, bucket, position), sorted, and their positions (int32).
-  auto sorted = [&](const at::Tensor& bucket) {
+  // Short keys of at most kBucketSortMaxBuckets buckets: a counting sort (lsh_bucket_sort.cu)
+  // instead of the keys, the radix sort and the full keys.
+  const bool counting = short_keys && nb <= kBucketSortMaxBuckets;
+  const size_t temp_bytes = joint && !counting ? lsh_sort_temp_bytes(B * H * L, sort64, bits) : 0;
+  const at::Tensor temp = joint && !counting ? at::empty({(int64_t)std::max<size_t>(temp_bytes, 1)},
+                                                         at::TensorOptions().dtype(at::kByte).device(dev))
+                                             : at::Tensor();
+  // Every (b, h) row's sort keys of (sequence, bucket, position), sorted (with_keys: the counting
+  // sort leaves them out otherwise), and their positions (int32).
+  auto sorted = [&](const at::Tensor& bucket, bool with_keys) {
+    if (counting) {
+      at::Tensor full = with_keys ? at::empty({B, H, L}, key_opts) : at::Tensor();
+      at::Tensor pos = at::empty({B, H, L}, int32_on(dev));
+      const int64_t tiles = (L + kBucketSortTile - 1) / kBucketSortTile;
+      at::Tensor counts = at::empty({B * H * nb * (2 * tiles + 1)}, int32_on(dev));
+      LshBucketSortParams p;
+      p.B = B, p.L = L, p.H = H, p.num_buckets = nb, p.keys64 = keys64;
+      p.bucket = bucket.data_ptr<int32_t>(), p.counts = counts.data_ptr<int32_t>();
+      p.keys = with_keys ? full.data_ptr() : nullptr, p.pos = pos.data_ptr<int32_t>();
+      lsh_bucket_sort_cuda(p, stream_of(pos));
+      return std::make_pair(full, pos);
+    }
     at::Tensor key = at::empty({B, H, L}, sort_opts);
     at::Tensor pos = joint ? at::empty({B, H, L}, int32_on(dev)) : at::Tensor();
     LshSortKeysParams p;
@@ -139,8 +155,8 @@ LshSorted lsh_sorted(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     lsh_full_keys_cuda(fp, stream_of(full));
     return std::make_pair(full, pos_out);
   };
-  std::tie(out.key_sorted, out.key_pos) = sorted(bk);
-  out.query_order = sorted(out.bq).second;  // queries by (sequence, bucket, position)
+  std::tie(out.key_sorted, out.key_pos) = sorted(bk, true);
+  out.query_order = sorted(out.bq, false).second;  // queries by (sequence, bucket, position)
   out.nb = nb, out.keys64 = keys64, out.row_stride = joint ? span : 0;
   return out;
 }
