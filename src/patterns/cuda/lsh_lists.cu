@@ -9,6 +9,8 @@
 //               sequence each take the short key r·nb + bucket instead (LshSortKeysParams::short_keys).
 // lsh_sort_cuda CUB's radix sort of the (key, position) pairs over the keys' significant bits.
 // full_keys_kernel  after a sort of short keys: the full keys, short·L + position.
+// (Short keys of at most kBucketSortMaxBuckets buckets skip these three: lsh_bucket_sort.cu's
+// counting sort gives the sorted positions and full keys directly.)
 // lists_kernel  block per (b, h, run of kListWarps·kListQueries queries), warp per kListQueries
 //               queries, 32 at a time: the keys of i's sequence in its query bucket c with
 //               position <= i are the sorted entries with key in [first = key(c, s), x = key(c, i)]
