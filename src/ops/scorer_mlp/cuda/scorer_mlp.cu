@@ -28,13 +28,11 @@
 // with 2N a multiple of 64 go to scorer_mlp_wgmma.cu's warpgroup kernel instead where the device
 // runs the sm_90a build (305 -> 211 us a call on the H100 at 1M rows, hidden 128, 2N 128).
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
+#include "ops/scorer_mlp/cuda/staging.cuh"
 #include "ops/scorer_mlp/params.h"
 
 namespace hax::ops {
@@ -114,24 +112,17 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
     cuda::cp_async16(sW2 + r * ldh + q, W2 + (int64_t)r * HID + q, true);
   }
   cuda::cp_async_commit();
-  for (int c = threadIdx.x; c < HID; c += blockDim.x) {
-    sB1[c] = p.b1 ? to_f32(((const bf16*)p.b1)[c]) : 0.f;
-    sB2[c] = p.b2 ? to_f32(((const bf16*)p.b2)[c]) : 0.f;
-    sW3[c] = to_f32(((const bf16*)p.w3)[c]);
-  }
-  const float b3 = p.b3 ? to_f32(((const bf16*)p.b3)[0]) : 0.f;
+  const float b3 = scorer_mlp_cuda::stage_biases(p, HID, sB1, sB2, sW3);
 
   // Copies the inputs of tile t (rows 32 t ..) into dst: chunk q of a row is k's while q < N / 8,
   // then u's; rows past R are zeros.
-  const bf16 *K = (const bf16*)p.k, *U = (const bf16*)p.u;
   auto issue = [&](int64_t t, bf16* dst) {
     const int cpr = IN / 8;
     for (int c = lane; c < kRows * cpr; c += 32) {
       const int r = c / cpr, q = (c % cpr) * 8;
       const int64_t row = t * kRows + r;
       const bool ok = row < p.rows;
-      const int64_t at = (ok ? row : 0) * N;
-      cuda::cp_async16(dst + r * ldi + q, q < N ? K + at + q : U + at + (q - N), ok);
+      cuda::cp_async16(dst + r * ldi + q, scorer_mlp_cuda::input_chunk(p, ok ? row : 0, q), ok);
     }
   };
   const int64_t tiles = (p.rows + kRows - 1) / kRows, stride = (int64_t)gridDim.x * warps;
@@ -251,10 +242,7 @@ __global__ void __launch_bounds__(kThreads) scorer_mlp_kernel(ScorerMlpParams p)
 }
 
 // The launch shape of scorer_mlp_kernel<HID> for one 2N on one device: warps a block and blocks
-// that fit the GPU at once. Computed (with the shared-memory attribute set) once per (device, 2N):
-// the attribute and occupancy queries cost host time on every call otherwise. The attribute is
-// the kernel's (one per HID and device), not the 2N's, so it only ever grows: set to a smaller
-// 2N's size, it failed the next launch of a larger, cached 2N ("invalid argument").
+// that fit the GPU at once (cached, with the kernel's shared-memory limit: cuda::LaunchShapeCache).
 struct LaunchShape {
   int warps = 1;
   int64_t fit = 1;  // resident blocks: per SM x SMs
@@ -262,27 +250,18 @@ struct LaunchShape {
 
 template <int HID>
 LaunchShape launch_shape(int64_t half) {
-  static std::mutex mu;
-  static std::map<std::pair<int, int64_t>, LaunchShape> cache;
-  static std::map<int, size_t> allowed;  // per device: the kernel's dynamic shared memory limit set so far
-  int dev = 0;
-  cudaGetDevice(&dev);
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(dev, half);
-  if (auto it = cache.find(key); it != cache.end()) return it->second;
-  LaunchShape sh;
-  sh.warps = kMaxWarps;  // the most warps that fit (with two input tiles each where they fit, else one)
-  while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
-  const size_t bytes = smem_layout(half, HID, sh.warps).bytes;
-  if (bytes > allowed[dev]) {
-    cuda::allow_smem(scorer_mlp_kernel<HID>, bytes, "scorer_mlp");
-    allowed[dev] = bytes;
-  }
-  int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, bytes);
-  sh.fit = (int64_t)std::max(1, per_sm) * cuda::sm_count();
-  cache.emplace(key, sh);
-  return sh;
+  static cuda::LaunchShapeCache<LaunchShape> shapes;
+  return shapes.get(half, [&](int dev) {
+    LaunchShape sh;
+    sh.warps = kMaxWarps;  // the most warps that fit (with two input tiles each where they fit, else one)
+    while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
+    const size_t bytes = smem_layout(half, HID, sh.warps).bytes;
+    shapes.allow(scorer_mlp_kernel<HID>, dev, bytes, "scorer_mlp");
+    int per_sm = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, bytes);
+    sh.fit = (int64_t)std::max(1, per_sm) * cuda::sm_count();
+    return sh;
+  });
 }
 
 template <int HID>

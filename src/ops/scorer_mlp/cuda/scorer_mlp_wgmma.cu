@@ -22,16 +22,14 @@
 //      for its two rows, summed over the row's 4 threads, plus b3, rounded to bfloat16.
 #include <algorithm>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <utility>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
 #include "ops/cuda/wgmma.cuh"
+#include "ops/scorer_mlp/cuda/staging.cuh"
 #include "ops/scorer_mlp/params.h"
 
 namespace hax::ops {
@@ -110,24 +108,17 @@ __global__ void __launch_bounds__(kGroupThreads * kMaxGroups, 1) scorer_mlp_wgmm
       cuda::cp_async16(swizzled(sW2, HID, r, q), W2 + (int64_t)r * HID + q, true);
     }
     cuda::cp_async_commit();
-    for (int c = threadIdx.x; c < HID; c += blockDim.x) {
-      sB1[c] = p.b1 ? to_f32(((const bf16*)p.b1)[c]) : 0.f;
-      sB2[c] = p.b2 ? to_f32(((const bf16*)p.b2)[c]) : 0.f;
-      sW3[c] = to_f32(((const bf16*)p.w3)[c]);
-    }
-    const float b3 = p.b3 ? to_f32(((const bf16*)p.b3)[0]) : 0.f;
+    const float b3 = scorer_mlp_cuda::stage_biases(p, HID, sB1, sB2, sW3);
 
     // Copies the inputs of tile t (rows 64 t ..) into dst: column c of a row is k's while c < N,
     // then u's; rows past R are zeros.
-    const bf16 *K = (const bf16*)p.k, *U = (const bf16*)p.u;
     auto issue = [&](int64_t t, bf16* dst) {
       const int cpr = IN / 8;
       for (int c = tid; c < kRows * cpr; c += kGroupThreads) {
         const int r = c / cpr, q = (c % cpr) * 8;
         const int64_t row = t * kRows + r;
         const bool ok = row < p.rows;
-        const int64_t at = (ok ? row : 0) * N;
-        cuda::cp_async16(swizzled(dst, kRows, r, q), q < N ? K + at + q : U + at + (q - N), ok);
+        cuda::cp_async16(swizzled(dst, kRows, r, q), scorer_mlp_cuda::input_chunk(p, ok ? row : 0, q), ok);
       }
     };
     const int64_t tiles = (p.rows + kRows - 1) / kRows, stride = (int64_t)gridDim.x * groups;
@@ -230,9 +221,8 @@ bool wgmma_enabled() {
   return on;
 }
 
-// The launch shape for one 2N on one device (cached: the attribute and occupancy queries cost
-// host time), with whether the device runs the wgmma binary. The shared-memory attribute only
-// grows (a smaller 2N's size set after a larger one's would fail the larger one's launch).
+// The launch shape for one 2N on one device (cached, with the kernel's shared-memory limit:
+// cuda::LaunchShapeCache), with whether the device runs the wgmma binary.
 struct WgShape {
   bool built = false;
   int groups = 1;
@@ -241,35 +231,22 @@ struct WgShape {
 
 template <int HID>
 WgShape wg_shape(int64_t half) {
-  static std::mutex mu;
-  static std::map<std::pair<int, int64_t>, WgShape> cache;
-  static std::map<int, size_t> allowed;  // per device: the kernel's dynamic shared memory limit set so far
-  int dev = 0;
-  cudaGetDevice(&dev);
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(dev, half);
-  if (auto it = cache.find(key); it != cache.end()) return it->second;
-  WgShape sh;
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, wgmma_probe_kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-  } else {
-    sh.built = attr.sharedSizeBytes >= (size_t)kProbeWgmma;
-  }
-  if (sh.built) {
+  static cuda::LaunchShapeCache<WgShape> shapes;
+  return shapes.get(half, [&](int dev) {
+    WgShape sh;
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, wgmma_probe_kernel) != cudaSuccess) (void)cudaGetLastError();
+    else sh.built = attr.sharedSizeBytes >= (size_t)kProbeWgmma;
+    if (!sh.built) return sh;
     sh.groups = kMaxGroups;
     while (sh.groups > 1 && wg_layout(half, HID, sh.groups).bytes > kMaxSmem) --sh.groups;
     const size_t bytes = wg_layout(half, HID, sh.groups).bytes;
-    if (bytes > allowed[dev]) {
-      cuda::allow_smem(scorer_mlp_wgmma_kernel<HID>, bytes, "scorer_mlp (wgmma)");
-      allowed[dev] = bytes;
-    }
+    shapes.allow(scorer_mlp_wgmma_kernel<HID>, dev, bytes, "scorer_mlp (wgmma)");
     int per_sm = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_wgmma_kernel<HID>, kGroupThreads * sh.groups, bytes);
     sh.fit = (int64_t)std::max(1, per_sm) * cuda::sm_count();
-  }
-  cache.emplace(key, sh);
-  return sh;
+    return sh;
+  });
 }
 
 template <int HID>
