@@ -12,6 +12,7 @@
 #include "ops/attention/attention.h"
 #include "ops/causal_attention/causal_attention.h"
 #include "ops/permute_rows/permute_rows.h"
+#include "patterns/cuda_paths.h"
 #include "patterns/pattern.h"
 
 using namespace hax::testing;
@@ -223,6 +224,43 @@ TEST(LshBandCuda, BandEqualsCpu) {
       EXPECT_TRUE(at::equal(pat::exclude_band(ks_gpu, gpu).idx.cpu(), pat::exclude_band(ks, cpu).idx))
           << "exclude_band";
     }
+}
+
+// LSH's sort keys in 64 bits, which the GPU path takes only when B·H·nb·L > 2^32 (L >= 1M at 16
+// heads and 256 buckets), forced at small sizes: the lists, q_order and the band still equal the
+// CPU's. One sequence a row with at most 1024 buckets takes the counting sort (its 64-bit keys);
+// packed rows, and 2^12 buckets, take the radix sort of 64-bit keys.
+TEST(LshBandCuda, WideSortKeysEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  struct Wide {  // on for this test only, off again however it ends
+    Wide() { pat::detail::set_lsh_wide_sort_keys(true); }
+    ~Wide() { pat::detail::set_lsh_wide_sort_keys(false); }
+  } wide;
+  torch::manual_seed(78);
+  const at::Device cuda(at::kCUDA, 0);
+  for (int64_t L : {1, 63, 97, 1025, 65537})
+    for (bool packed : {false, true})
+      for (int64_t h : {8, 12}) {
+        if (L == 65537 && (packed || h == 12)) continue;
+        const int64_t B = L > 2000 ? 1 : 2, H = 2, N = 16, K = L > 2000 ? 32 : 7;
+        SCOPED_TRACE("L " + std::to_string(L) + (packed ? " packed" : "") + " h " + std::to_string(h));
+        const at::Tensor q = at::randn({B, L, H, N});
+        const at::Tensor k =
+            at::where(at::rand({B, L, H, 1}) < 0.5, q + 0.1 * at::randn({B, L, H, N}), at::randn({B, L, H, N}));
+        const at::Tensor seq = packed ? random_packing(B, L, 0.01) : at::Tensor();
+        const at::Tensor seq_gpu = seq.defined() ? seq.to(cuda) : seq;
+        const at::Tensor proj = pat::lsh_projection(N, h, 12).to(at::kDouble);
+        const pat::LshBand cpu = pat::lsh_band(q, k, K, proj, pat::Binning::kSign, seq);
+        const pat::LshBand gpu =
+            pat::lsh_band(q.to(cuda), k.to(cuda), K, proj.to(cuda), pat::Binning::kSign, seq_gpu);
+        EXPECT_TRUE(at::equal(gpu.q_order.cpu(), cpu.q_order)) << "q_order";
+        EXPECT_TRUE(at::equal(gpu.k_order.cpu(), cpu.k_order)) << "k_order";
+        EXPECT_TRUE(at::equal(gpu.band.cpu(), cpu.band)) << "band";
+        const pat::KeyLists want = pat::lsh(q, k, K, proj, pat::Binning::kSign, seq);
+        const pat::KeyLists got = pat::lsh(q.to(cuda), k.to(cuda), K, proj.to(cuda), pat::Binning::kSign, seq_gpu);
+        EXPECT_TRUE(at::equal(got.idx.cpu(), want.idx)) << "lists";
+        EXPECT_TRUE(at::equal(got.q_order.cpu(), want.q_order)) << "lists' q_order";
+      }
 }
 
 TEST(JoinByLseCuda, MatchesCpu) {

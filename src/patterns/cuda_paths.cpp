@@ -6,6 +6,7 @@
 
 #if defined(HAX_CUDA_KERNELS)
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <tuple>
@@ -68,6 +69,8 @@ at::Tensor lsh_buckets_device(const at::Tensor& x0, const at::Tensor& proj, Binn
 
 namespace {
 
+std::atomic<bool> g_wide_sort_keys{false};  // set_lsh_wide_sort_keys
+
 // Buckets of q and k, and every (b, h) row's keys and queries sorted by (sequence, bucket,
 // position): what the lists and the band are read off.
 struct LshSorted {
@@ -95,7 +98,7 @@ LshSorted lsh_sorted(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const uint64_t span = (uint64_t)nb * (uint64_t)L, rows = (uint64_t)(B * H);
   const bool joint = rows <= UINT64_MAX / span;
   const uint64_t top = joint ? rows * span - 1 : 0;  // the largest joint key
-  const bool keys64 = !joint || top > UINT32_MAX;
+  const bool keys64 = !joint || top > UINT32_MAX || g_wide_sort_keys.load();
   // Rows of one sequence each sort their short keys r·nb + bucket (LshSortKeysParams::short_keys).
   const bool short_keys = joint && !seq.defined() && rows * (uint64_t)nb <= UINT32_MAX;
   const uint64_t sort_top = short_keys ? rows * (uint64_t)nb - 1 : top;  // the largest key sorted
@@ -171,6 +174,8 @@ LshListsParams lists_params(const LshSorted& st, int64_t B, int64_t L, int64_t H
 }
 
 }  // namespace
+
+void set_lsh_wide_sort_keys(bool on) { g_wide_sort_keys.store(on); }
 
 KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
                     const at::Tensor& seq) {
@@ -428,6 +433,7 @@ namespace {
 }
 }  // namespace
 void* stream_of(const at::Tensor&) { return nullptr; }
+void set_lsh_wide_sort_keys(bool) {}  // (no CUDA paths to widen)
 SequenceBounds sequence_bounds_device(const at::Tensor&, int64_t, int64_t, const at::Device&) { no_kernels(); }
 at::Tensor progression_lists_device(ProgressionKind, int64_t, int64_t, int64_t, int64_t, int64_t, const at::Tensor&,
                                     const at::Device&) {

@@ -38,6 +38,11 @@ LshBand lsh_band_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, 
 // exclude_band's lists, (B, H, L, K) int32 on idx's device.
 at::Tensor exclude_band_device(const at::Tensor& idx, const LshBand& band);
 
+// Tests: LSH's sort keys in 64 bits even where 32 bits hold them (normally only when
+// B·H·nb·L > 2^32, e.g. L >= 1M at 16 heads and 256 buckets), so that the 64-bit forms of the
+// key, sort and list kernels run at small sizes. Off by default; process-wide.
+void set_lsh_wide_sort_keys(bool on);
+
 // lsh: lists and q_order on q's device.
 KeyLists lsh_device(const at::Tensor& q, const at::Tensor& k, int64_t keys, const at::Tensor& proj, Binning binning,
                     const at::Tensor& seq);

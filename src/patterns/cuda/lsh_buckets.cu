@@ -381,16 +381,22 @@ __device__ __forceinline__ bool centered_positive(double v, double run, double c
   return v - run / cnt > 0;
 }
 
+// Groups of G lanes, one per (b, tile, head) of the buckets, over the grid (grid-strided):
+// f(b, tile, head) in each lane of the group; the lane's column is threadIdx.x % G.
+template <class F>
+__device__ __forceinline__ void for_each_lane_group(const LshBucketsParams& p, int G, F&& f) {
+  const int64_t nT = lsh_bucket_tiles(p.L), groups = (int64_t)gridDim.x * blockDim.x / G;
+  for (int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; g < p.B * nT * p.H; g += groups)
+    f(g / (p.H * nT), (g / p.H) % nT, g % p.H);
+}
+
 // Argmax with h <= 32: a group of G lanes per (b, tile, head), lane j owning column j, the group's
 // best column found by shuffles at each position.
 __global__ void bin_kernel(LshBucketsParams p, int G) {
-  const int64_t nT = lsh_bucket_tiles(p.L);
   const int j = threadIdx.x % G;
   const unsigned mask = dev::group_mask(G);
   const bool active = j < p.h;
-  const int64_t groups = (int64_t)gridDim.x * blockDim.x / G;
-  for (int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; g < p.B * nT * p.H; g += groups) {
-    const int64_t hd = g % p.H, tile = (g / p.H) % nT, b = g / (p.H * nT);  // the group's (b, tile, head)
+  for_each_lane_group(p, G, [&](int64_t b, int64_t tile, int64_t hd) {
     centered_tile(p, b, tile, hd * p.h + j, active, [&](int64_t i, double v, double run, double cnt) {
       // The CPU keeps the first j with p_j > p_bucket, starting from 0: the first index of the
       // maximum over the non-NaN values, or 0 when p_0 is NaN.
@@ -405,7 +411,7 @@ __global__ void bin_kernel(LshBucketsParams p, int G) {
       const int p0_nan = __shfl_sync(mask, (int)isnan(pv), 0, G);
       if (j == 0) p.out[(b * p.L + i) * p.H + hd] = p0_nan ? 0 : bj;
     });
-  }
+  });
 }
 
 // Sign bits (h <= 32, not argmax): groups as bin_kernel's, but a lane first collects its column's
@@ -417,13 +423,10 @@ template <int G>
 __global__ void bin_signs_kernel(LshBucketsParams p) {
   static_assert(kLshTile == 64, "a lane's signs of a tile are one 64-bit mask");
   constexpr int P = (int)kLshTile / G;  // positions whose buckets a lane assembles
-  const int64_t nT = lsh_bucket_tiles(p.L);
   const int j = threadIdx.x % G;
   const unsigned mask = dev::group_mask(G);
   const bool active = j < p.h;
-  const int64_t groups = (int64_t)gridDim.x * blockDim.x / G;
-  for (int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; g < p.B * nT * p.H; g += groups) {
-    const int64_t hd = g % p.H, tile = (g / p.H) % nT, b = g / (p.H * nT);  // the group's (b, tile, head)
+  for_each_lane_group(p, G, [&](int64_t b, int64_t tile, int64_t hd) {
     const int64_t t0 = tile * kLshTile, t1 = t0 + kLshTile < p.L ? t0 + kLshTile : p.L;
     uint64_t signs = 0;  // bit i - t0: p_j > 0 at position i
     centered_tile(p, b, tile, hd * p.h + j, active, [&](int64_t i, double v, double run, double cnt) {
@@ -444,7 +447,7 @@ __global__ void bin_signs_kernel(LshBucketsParams p) {
       const int64_t i = t0 + P * j + k;
       if (i < t1) p.out[(b * p.L + i) * p.H + hd] = (int32_t)bucket[k];
     }
-  }
+  });
 }
 
 // h > 32: p into `values`, then one thread per (b, i, head) bins it like the CPU.
