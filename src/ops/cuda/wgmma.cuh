@@ -179,6 +179,31 @@ __device__ __forceinline__ void wgmma_dot(float (&s)[NT][4], const __nv_bfloat16
   wgmma_commit();
   wgmma_wait<0>();
 }
+// Keeps the compiler from reading a wgmma's result before the wait: an empty asm that "modifies"
+// each entry, placed after the wait. (Not between the issue and the wait: ptxas then takes it for
+// an instruction defining the accumulator in flight, and serializes the products.)
+template <int NT>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+// s = X Y^T and t = X2 Y2^T as in wgmma_dot2, issued as one commit group and not waited for:
+// the caller waits (wgmma_wait<N>) before it reads s or t.
+template <int NT>
+__device__ __forceinline__ void wgmma_issue2(float (&s)[NT][4], const __nv_bfloat16* X, const __nv_bfloat16* Y,
+                                             float (&t)[NT][4], const __nv_bfloat16* X2, const __nv_bfloat16* Y2) {
+  const uint64_t da = wgmma_desc_sw128(X), db = wgmma_desc_sw128(Y);
+  const uint64_t da2 = wgmma_desc_sw128(X2), db2 = wgmma_desc_sw128(Y2);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma_k16<NT>(s, da + 2 * ks, db + 2 * ks, ks > 0);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma_k16<NT>(t, da2 + 2 * ks, db2 + 2 * ks, ks > 0);
+  wgmma_commit();
+}
 template <int NT>
 __device__ __forceinline__ void wgmma_dot2(float (&s)[NT][4], const __nv_bfloat16* X, const __nv_bfloat16* Y,
                                            float (&t)[NT][4], const __nv_bfloat16* X2, const __nv_bfloat16* Y2) {

@@ -470,8 +470,12 @@ struct DkdvCfg {
       SmemHead<kMode>::bytes + sizeof(bf16) * (2 * kRows + 2 * NB * BN) * S + sizeof(float) * 2 * NB * BN;
 };
 
+// On the kTma path dK/dV runs at 3 blocks an SM (up to 168 registers a thread): with wgmma, both
+// query steps of a tile are issued at once (two commit groups, the second step's products running
+// while the first step's P^T, dS^T and accumulates are formed), which needs two steps' products
+// in registers; at 4 blocks an SM the kernel spilled 88 bytes a thread even without that.
 template <int DB, int kMode>
-__global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMinBlocks) : 2)
     dkdv_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec, const __grid_constant__ TmaMaps maps) {
   using Cfg = DkdvCfg<DB, kMode>;
   using Lay = typename Cfg::Lay;
@@ -558,52 +562,83 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   }
 
   float dk[DT][4] = {}, dv[DT][4] = {};
-  for (int qt = qt_begin; qt <= qt_end; ++qt) {
-    const int i0 = qt * BN, n = qt - qt_begin, buf = kMode == kPlain ? 0 : n % 2;
-    if constexpr (kMode == kTma) {
+  // Step (n, c0): queries c0 .. c0 + SUB - 1 of the ring's tile n (query tile qt_begin + n), with
+  // st = S^T and dpt = dP^T already computed when kW: P^T and dS^T, then dV += P^T dO and
+  // dK += dS^T Q.
+  auto finish = [&](int n, int c0, float (&st)[NT][4], float (&dpt)[NT][4]) {
+    const int i0 = (qt_begin + n) * BN, buf = kMode == kPlain ? 0 : n % 2;
+    const unsigned live = live_groups<SUB / 16>(i0 + c0, lo, hi);
+    if (!live) return;
+    const bf16* sQ = sQ0 + (buf * BN + c0) * S;
+    const bf16* sdO = sdO0 + (buf * BN + c0) * S;
+    const float* sLse = sLse0 + buf * BN + c0;
+    const float* sDl = sDl0 + buf * BN + c0;
+    if constexpr (!kW) {
+      warp_dot<DB, NT, Lay>(st, sK, r0, sQ, live);
+      warp_dot<DB, NT, Lay>(dpt, sV, r0, sdO, live);
+    }
+    auto grads = [&](auto masked) {  // st becomes P^T, dpt dS^T
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c0 + c;
+          const bool seen = !decltype(masked)::value || (i >= lo[r] && i <= hi[r]);
+          const float pr = seen ? fast_exp2(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
+          st[nt][e] = pr;
+          dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);
+        }
+    };
+    if (all_visible(i0 + c0, i0 + c0 + SUB - 1, lo, hi)) grads(std::false_type{});
+    else grads(std::true_type{});
+    warp_accumulate<DB, NT, Lay>(dv, st, sdO, live);  // dV += P^T dO
+    warp_accumulate<DB, NT, Lay>(dk, dpt, sQ, live);  // dK += dS^T Q
+  };
+  if constexpr (kW && BN / SUB == 2) {
+    // Both steps of a tile issued as two commit groups; step 1's products run while step 0 is
+    // finished. Nothing stays in flight across the loop's back edge: an accumulator in flight
+    // across it made ptxas serialize the products (warning C7515), and the whole kernel slower
+    // (BENCHMARKS.md, twenty-first pass).
+    for (int n = 0; n < tiles; ++n) {
+      const int buf = n % 2;
       ring.wait(n);
-    } else if constexpr (kMode == kCopy) {  // as in forward_kernel: one barrier a tile
-      cuda::cp_async_wait<0>();
-      __syncthreads();
-      if (qt < qt_end) stage(qt + 1, buf ^ 1);
-    } else {
-      __syncthreads();  // the previous tile's sQ, sdO, sLse, sDl are read
-      stage(qt, 0);
-      __syncthreads();
+      float st0[NT][4], dp0[NT][4], st1[NT][4], dp1[NT][4];
+      cuda::wgmma_issue2<NT>(st0, sK, sQ0 + buf * BN * S, dp0, sV, sdO0 + buf * BN * S);
+      cuda::wgmma_issue2<NT>(st1, sK, sQ0 + (buf * BN + SUB) * S, dp1, sV, sdO0 + (buf * BN + SUB) * S);
+      cuda::wgmma_wait<1>();
+      cuda::wgmma_fence_operands(st0);
+      cuda::wgmma_fence_operands(dp0);
+      finish(n, 0, st0, dp0);
+      cuda::wgmma_wait<0>();
+      cuda::wgmma_fence_operands(st1);
+      cuda::wgmma_fence_operands(dp1);
+      finish(n, SUB, st1, dp1);
+      ring.advance(n, tiles, fill);
     }
-#pragma unroll
-    for (int sub = 0; sub < BN / SUB; ++sub) {
-      const int c0 = sub * SUB;  // the step's first query within the tile
-      const unsigned live = live_groups<SUB / 16>(i0 + c0, lo, hi);
-      const bf16* sQ = sQ0 + (buf * BN + c0) * S;
-      const bf16* sdO = sdO0 + (buf * BN + c0) * S;
-      const float* sLse = sLse0 + buf * BN + c0;
-      const float* sDl = sDl0 + buf * BN + c0;
-      float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
-      if constexpr (kW) cuda::wgmma_dot2<NT>(st, sK, sQ, dpt, sV, sdO);
-      if (!live) continue;
-      if constexpr (!kW) {
-        warp_dot<DB, NT, Lay>(st, sK, r0, sQ, live);
-        warp_dot<DB, NT, Lay>(dpt, sV, r0, sdO, live);
+  } else {
+    for (int qt = qt_begin; qt <= qt_end; ++qt) {
+      const int n = qt - qt_begin, buf = kMode == kPlain ? 0 : n % 2;
+      if constexpr (kMode == kTma) {
+        ring.wait(n);
+      } else if constexpr (kMode == kCopy) {  // as in forward_kernel: one barrier a tile
+        cuda::cp_async_wait<0>();
+        __syncthreads();
+        if (qt < qt_end) stage(qt + 1, buf ^ 1);
+      } else {
+        __syncthreads();  // the previous tile's sQ, sdO, sLse, sDl are read
+        stage(qt, 0);
+        __syncthreads();
       }
-      auto grads = [&](auto masked) {  // st becomes P^T, dpt dS^T
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e / 2, c = nt * 8 + 2 * t + e % 2, i = i0 + c0 + c;
-            const bool seen = !decltype(masked)::value || (i >= lo[r] && i <= hi[r]);
-            const float pr = seen ? fast_exp2(st[nt][e] * dm.scale2 - sLse[c] * kLog2e) : 0.f;
-            st[nt][e] = pr;
-            dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);
-          }
-      };
-      if (all_visible(i0 + c0, i0 + c0 + SUB - 1, lo, hi)) grads(std::false_type{});
-      else grads(std::true_type{});
-      warp_accumulate<DB, NT, Lay>(dv, st, sdO, live);  // dV += P^T dO
-      warp_accumulate<DB, NT, Lay>(dk, dpt, sQ, live);  // dK += dS^T Q
+      for (int sub = 0; sub < BN / SUB; ++sub) {
+        const int c0 = sub * SUB;  // the step's first query within the tile
+        float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
+        if constexpr (kW)
+          cuda::wgmma_dot2<NT>(st, sK, sQ0 + (buf * BN + c0) * S, dpt, sV, sdO0 + (buf * BN + c0) * S);
+        finish(n, c0, st, dpt);
+      }
+      if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
     }
-    if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
   const float scale[2] = {(float)p.scale, (float)p.scale}, one[2] = {1.f, 1.f};
   if constexpr (kMode != kPlain) {  // 16-byte stores through the warp's own rows of sK and sV
