@@ -207,14 +207,7 @@ __device__ __forceinline__ void wgmma_issue2(float (&s)[NT][4], const __nv_bfloa
 template <int NT>
 __device__ __forceinline__ void wgmma_dot2(float (&s)[NT][4], const __nv_bfloat16* X, const __nv_bfloat16* Y,
                                            float (&t)[NT][4], const __nv_bfloat16* X2, const __nv_bfloat16* Y2) {
-  const uint64_t da = wgmma_desc_sw128(X), db = wgmma_desc_sw128(Y);
-  const uint64_t da2 = wgmma_desc_sw128(X2), db2 = wgmma_desc_sw128(Y2);
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) wgmma_k16<NT>(s, da + 2 * ks, db + 2 * ks, ks > 0);
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) wgmma_k16<NT>(t, da2 + 2 * ks, db2 + 2 * ks, ks > 0);
-  wgmma_commit();
+  wgmma_issue2<NT>(s, X, Y, t, X2, Y2);
   wgmma_wait<0>();
 }
 
