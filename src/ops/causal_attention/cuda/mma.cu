@@ -463,7 +463,10 @@ template <int DB, int kMode>
 struct DkdvCfg {
   static constexpr int BN = DB == 128 ? 32 : 64;  // queries staged per step
   static constexpr int SUB = 32;                   // queries per product step (BN / SUB steps)
-  static constexpr int S = kMode == kTma ? 64 : DB + 8, NB = kMode == kPlain ? 1 : 2;
+  // Query tile buffers: kTma's ring 3 (a window of 128 keys' three query tiles all in flight from
+  // the start; at 3 blocks an SM the shared memory allows it: ncu 520 -> 507 us for SW k = 128 at
+  // 64K), kCopy's double buffering 2.
+  static constexpr int S = kMode == kTma ? 64 : DB + 8, NB = kMode == kPlain ? 1 : kMode == kTma ? 3 : 2;
   using Lay = std::conditional_t<kMode == kTma, Swizzle128, Padded<S>>;
   // sK, sV, sQ[NB], sdO[NB], then lse[NB] and Δ[NB] of the staged queries (float32)
   static constexpr size_t smem =
@@ -483,7 +486,9 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
   constexpr int BN = Cfg::BN, SUB = Cfg::SUB, S = Cfg::S, NT = SUB / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
-  Ring& ring = *reinterpret_cast<Ring*>(smem_u4);
+  using KRing = cuda::TileRing<(Cfg::NB > 1 ? Cfg::NB : 2), kThreads / 32>;
+  static_assert(sizeof(KRing) <= 64, "the ring's barriers fit SmemHead's reserve");
+  KRing& ring = *reinterpret_cast<KRing*>(smem_u4);
   bf16* sK = SmemHead<kMode>::tiles(smem_u4);
   bf16* sV = sK + kRows * S;
   bf16* sQ0 = sV + kRows * S;
@@ -566,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
   // st = S^T and dpt = dP^T already computed when kW: P^T and dS^T, then dV += P^T dO and
   // dK += dS^T Q.
   auto finish = [&](int n, int c0, float (&st)[NT][4], float (&dpt)[NT][4]) {
-    const int i0 = (qt_begin + n) * BN, buf = kMode == kPlain ? 0 : n % 2;
+    const int i0 = (qt_begin + n) * BN, buf = kMode == kPlain ? 0 : n % Cfg::NB;
     const unsigned live = live_groups<SUB / 16>(i0 + c0, lo, hi);
     if (!live) return;
     const bf16* sQ = sQ0 + (buf * BN + c0) * S;
@@ -600,7 +605,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
     // across it made ptxas serialize the products (warning C7515), and the whole kernel slower
     // (BENCHMARKS.md, twenty-first pass).
     for (int n = 0; n < tiles; ++n) {
-      const int buf = n % 2;
+      const int buf = ring.buffer(n);
       ring.wait(n);
       float st0[NT][4], dp0[NT][4], st1[NT][4], dp1[NT][4];
       cuda::wgmma_issue2<NT>(st0, sK, sQ0 + buf * BN * S, dp0, sV, sdO0 + buf * BN * S);
@@ -617,7 +622,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
     }
   } else {
     for (int qt = qt_begin; qt <= qt_end; ++qt) {
-      const int n = qt - qt_begin, buf = kMode == kPlain ? 0 : n % 2;
+      const int n = qt - qt_begin, buf = kMode == kPlain ? 0 : n % Cfg::NB;
       if constexpr (kMode == kTma) {
         ring.wait(n);
       } else if constexpr (kMode == kCopy) {  // as in forward_kernel: one barrier a tile
