@@ -4,7 +4,7 @@
 #   memcheck:  every GPU test except the long ones (L = 65537 and *Long*), in two runs:
 #              the op tests (about 1.5 min on an H100) and the model, training and step-graph tests
 #              (about 3 min, plus over 4 min for the two step-graph tests: the first alone took 2.5)
-#   racecheck: 25 small tests that together launch every kernel file using shared memory
+#   racecheck: 26 small tests that together launch every kernel file using shared memory
 #              (about 1.5 min). racecheck runs about 100 times slower than a plain run, so the
 #              larger tests do not fit.
 # Usage: scripts/gpu_sanitize.sh [BUILD_DIR]   (default build-d). Exits non-zero on any error,
@@ -27,6 +27,7 @@ SMALL+=':PatternCuda.MergeAndKeyCountsEqualCpu:PrefixDirectionCuda.StridedQAndOd
 SMALL+=':PrefixDirectionCuda.ZeroSumGivesZero:PatternCuda.TopKPrefixEqualCpu'
 SMALL+=':SsmStepCuda.Conv1dStepMatchesCpuFloat32AndBf16:LshBandCuda.AttentionMatchesCpuFloat32AndBf16'
 SMALL+=':JoinByLseCuda.MatchesCpu:PatternCuda.LshBucketsShapesEqualCpu:TileBlocksCuda.SmallInstances'
+SMALL+=':AShapedAttentionCuda.SmallInstance'
 $CS --tool memcheck --leak-check no "$T" --gtest_filter="$OPS"
 $CS --tool memcheck --leak-check no "$T" --gtest_filter="$MODELS"
 $CS --tool racecheck "$T" --gtest_filter="$SMALL"

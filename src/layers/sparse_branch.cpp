@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "layers/host_inputs.h"
 #include "layers/lsh_attention.h"
+#include "ops/a_shaped_attention/a_shaped_attention.h"
 #include "ops/attention/attention.h"
 #include "ops/attention/blocks.h"
 #include "ops/causal_attention/causal_attention.h"
@@ -116,6 +117,19 @@ int lsh_band_mode() {
 }
 bool lsh_as_band(size_t parts) { return lsh_band_mode() < 0 ? parts == 1 : lsh_band_mode() == 1; }
 
+// HAX_A_SINK_KERNELS=0 runs A through its lists on the GPU too (for comparisons); unset or 1, A
+// takes ops::a_shaped_attention's fast path where it applies.
+bool a_sink_kernels() {
+  static const bool on = [] {
+    const char* e = std::getenv("HAX_A_SINK_KERNELS");
+    if (!e) return true;
+    const std::string v(e);
+    HAX_CHECK(v == "0" || v == "1", "HAX_A_SINK_KERNELS = '{}' must be 0 (A through lists) or 1 (the sink kernels)", v);
+    return v == "1";
+  }();
+  return on;
+}
+
 // The union of every part's lists (q_order: the first part's that has one).
 patterns::KeyLists merge_parts(const std::vector<patterns::KeyLists>& parts) {
   patterns::KeyLists all = parts.at(0);
@@ -140,6 +154,12 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
   // the key tiles inside the window; no lists are built. The CPU, and recording, use the lists.
   if (kind_ == "sw" && vh.is_cuda() && !(ctx && ctx->record))
     return std::get<0>(ops::causal_attention(q, k, vh, seq_idx, keys_per_part_, 1.0));
+  // A (the window plus the row's first keys) on the GPU without packing: the causal kernels for
+  // the window and ops/a_shaped_attention's sink kernels for the first keys outside it; no lists.
+  // Packed rows (a sink per sequence) and recording use the lists.
+  if (kind_ == "a" && vh.is_cuda() && !(ctx && ctx->record) && !(seq_idx.defined() && seq_idx.numel() > 0) &&
+      a_sink_kernels() && ops::a_shaped_attention_native(q, vh, keys_per_part_, keys_per_part_))
+    return std::get<0>(ops::a_shaped_attention(q, k, vh, keys_per_part_, keys_per_part_, 1.0));
   if (kind_ == "hsa") {
     at::Tensor lists;
     at::Tensor out = hsa->forward(qk_in, q, k, vh, seq_idx, 1.0, ctx && ctx->record ? &lists : nullptr);

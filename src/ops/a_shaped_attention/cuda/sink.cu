@@ -1,0 +1,368 @@
+// CUDA kernels of A-shaped attention's sink part (params.h states the split): the keys
+// j <= e_i = min(sink - 1, i - window) of query i, which the window part leaves out. bfloat16
+// storage on tensor cores (mma.sync, ops/cuda/mma_bf16.cuh), float32 math.
+//
+//   sink_forward_kernel   one block per (64-query tile, b, h): S = Q K_s^T over the (at most 64)
+//                         sink keys, its softmax and O_s = P V_s, merged into the window part's
+//                         out and lse in place: lse = logaddexp(lse_w, lse_s),
+//                         out = e^(lse_w - lse) out_w + e^(lse_s - lse) O_s.
+//   sink_backward_kernel  one block per (chunk of kASinkChunkTiles query tiles, b, h), with the
+//                         union's lse and Δ (the same softmax as the window part's backward):
+//                         P = exp(S - lse), dP = dO V_s^T, dS = P (dP - Δ);
+//                         dq += scale dS K_s (each row once: read, add, write), and the chunk's
+//                         dK_s = scale Σ dS^T Q, dV_s = Σ P^T dO summed in registers over its tiles,
+//                         then stored (no atomics).
+//   sink_reduce_kernel    dk, dv rows j < sink += the chunks' sums, added in chunk order.
+// Every sum has a fixed order: the backward is deterministic. The sink keys and values stay in
+// shared memory for a whole block (one 64-row tile, zeros past the sink); P and dS reach their
+// second products rounded to bfloat16, as in the causal kernels.
+#include "ops/a_shaped_attention/params.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/cp_async.cuh"
+#include "ops/cuda/mma_bf16.cuh"
+
+namespace hax::ops {
+namespace a_sink_cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using namespace cuda::mma;
+
+constexpr int kRows = 64;      // queries of a tile; sink keys of a block (padded with zeros)
+constexpr int kThreads = 128;  // 4 warps, 16 query rows each
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The sizes the kernels index with (checked to fit an int by the launchers).
+struct Dims {
+  int L = 0, H = 0, D = 0, Dv = 0, Dm = 0;  // length, heads, head dims, max(D, Dv)
+  int W = 0, S = 0;                         // window, sink
+  int BH = 0, ntiles = 0, chunks = 0;
+  float scale = 0, scale2 = 0;              // scale, and scale * log2(e) (scores in base 2)
+};
+
+Dims make_dims(const ASinkParams& p) {
+  if (p.seqlen >= (1 << 30) || p.batch * p.nheads >= (1 << 30))
+    throw std::runtime_error("a_shaped_attention CUDA sink kernels: L = " + std::to_string(p.seqlen) +
+                             " must be below 2^30 and B * H below 2^30");
+  if (p.sink < 1 || p.sink > kASinkCudaMaxKeys || p.window < 1)
+    throw std::runtime_error("a_shaped_attention CUDA sink kernels: sink = " + std::to_string(p.sink) +
+                             " must be in [1, 64] and window = " + std::to_string(p.window) + " >= 1");
+  if (p.dim % 8 || p.vdim % 8 || p.dim < 8 || p.vdim < 8 || p.dim > 128 || p.vdim > 128)
+    throw std::runtime_error("a_shaped_attention CUDA sink kernels: head dims D = " + std::to_string(p.dim) +
+                             " and Dv = " + std::to_string(p.vdim) + " must be multiples of 8 in [8, 128]");
+  Dims d;
+  d.L = (int)p.seqlen, d.H = (int)p.nheads, d.D = (int)p.dim, d.Dv = (int)p.vdim;
+  d.Dm = d.D > d.Dv ? d.D : d.Dv;
+  d.W = p.window >= p.seqlen ? d.L : (int)p.window;
+  d.S = (int)p.sink;
+  d.BH = (int)(p.batch * p.nheads);
+  d.ntiles = (d.L + kRows - 1) / kRows;
+  d.chunks = (int)a_sink_chunks(p);
+  d.scale = (float)p.scale;
+  d.scale2 = (float)(p.scale * 1.4426950408889634);
+  return d;
+}
+
+// Element offset of row i of (b, h) in a (B, L, H, Dh) tensor; rows are H Dh apart.
+__device__ __forceinline__ int64_t row_base(const Dims& dm, int b, int h, int Dh) {
+  return ((int64_t)b * dm.L * dm.H + h) * Dh;
+}
+
+// The last sink key query i sees (-1: none; also for rows past L).
+__device__ __forceinline__ int last_sink_key(const Dims& dm, int i) {
+  return i < dm.L ? min(dm.S - 1, i - dm.W) : -1;
+}
+
+// Bits of the 16-key groups that hold keys < nk (for warp_dot / warp_accumulate's `live`).
+__device__ __forceinline__ unsigned live_groups(int nk) { return (1u << ((nk + 15) / 16)) - 1u; }
+
+// Masks s (16 rows x 64 sink keys in C fragments: rows g and g + 8 of the warp) to -inf past each
+// row's last key e[r] and returns the rows' maxima in mx.
+__device__ __forceinline__ void mask_scores(float (&s)[8][4], const int (&e)[2], float (&mx)[2]) {
+  const int t = lane_of() % 4;
+  mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int r = c / 2, col = nt * 8 + 2 * t + (c & 1);
+      if (col > e[r]) s[nt][c] = -INFINITY;
+      mx[r] = fmaxf(mx[r], s[nt][c]);
+    }
+}
+
+template <int DB>
+constexpr size_t forward_smem() {
+  return (size_t)4 * kRows * (DB + 8) * sizeof(bf16);
+}
+
+// Grid: ntiles * BH blocks, tile-major (blockIdx = tile * BH + bh). Dynamic shared memory:
+// forward_smem<DB>().
+template <int DB>
+__global__ void __launch_bounds__(kThreads) sink_forward_kernel(ASinkParams p, Dims dm) {
+  constexpr int S = DB + 8;
+  using Copy = cuda::TileCopy<kRows, DB, kThreads>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (64, S) the tile's queries
+  bf16* sK = sQ + kRows * S;                      // (64, S) sink keys, zeros past nk
+  bf16* sV = sK + kRows * S;                      // (64, S) sink values
+  bf16* sO = sV + kRows * S;                      // (64, S) the window part's out rows, then the union's
+  const int bh = (int)(blockIdx.x % (unsigned)dm.BH), b = bh / dm.H, h = bh % dm.H;
+  const int i0 = (int)(blockIdx.x / (unsigned)dm.BH) * kRows;
+  const int i_last = min(i0 + kRows, dm.L) - 1;
+  if (i_last < dm.W) return;                      // every query's sink keys lie in its window
+  const int nk = min(dm.S, i_last - dm.W + 1);   // the sink keys any query of the tile sees
+  const int64_t qb = row_base(dm, b, h, dm.D), vb = row_base(dm, b, h, dm.Dv);
+  const int64_t rs = (int64_t)dm.H * dm.D, rsv = (int64_t)dm.H * dm.Dv;
+  bf16* out = (bf16*)p.out + vb;
+  Copy::template rows<S>(sQ, (const bf16*)p.q + qb, rs, i0, dm.L, dm.D);
+  Copy::template rows<S>(sK, (const bf16*)p.k + qb, rs, 0, nk, dm.D);
+  Copy::template rows<S>(sV, (const bf16*)p.v + vb, rsv, 0, nk, dm.Dv);
+  Copy::template rows<S>(sO, out, rsv, i0, dm.L, dm.Dv);
+  cuda::cp_async_commit();
+  cuda::cp_async_wait<0>();
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = lane_of(), g = lane / 4, t = lane % 4, r0 = warp * 16;
+  if (min(i0 + r0 + 15, dm.L - 1) < dm.W) return;  // (warp-uniform) no row of the warp sees a sink key
+  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
+  const int e[2] = {last_sink_key(dm, row[0]), last_sink_key(dm, row[1])};
+  const unsigned live = live_groups(nk);
+  float s[8][4] = {};
+  warp_dot<DB, 8, S>(s, sQ, r0, sK, live);
+  float mx[2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  mask_scores(s, e, mx);
+  float o[DB / 8][4] = {};
+  online_softmax_step<8, DB / 8>(s, mx, m, l, o, dm.scale2);
+  warp_accumulate<DB, 8, S>(o, s, sV, live);
+
+  float* lse = p.lse + (int64_t)bh * dm.L;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = sum4(l[r]);
+    if (e[r] < 0 || !(sum > 0.f)) continue;  // (the 4 lanes of a row agree)
+    const float lw = lse[row[r]], ls = m[r] * kLn2 + logf(sum);
+    const float hi = fmaxf(lw, ls), lu = hi + log1pf(expf(-fabsf(lw - ls)));
+    const float ww = expf(lw - lu), ws = expf(m[r] * kLn2 - lu);  // O_s = o / sum: e^(ls - lu) / sum = ws
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt) {
+      bf16* at = sO + (r0 + g + 8 * r) * S + nt * 8 + 2 * t;
+      const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(at);
+      *reinterpret_cast<uint32_t*>(at) = pack_bf16(ww * __low2float(w2) + ws * o[nt][2 * r],
+                                                   ww * __high2float(w2) + ws * o[nt][2 * r + 1]);
+    }
+    if (t == 0) lse[row[r]] = lu;
+  }
+  __syncwarp();
+  // The warp's 16 rows out in 16-byte chunks (rows without sink keys go back unchanged).
+  constexpr int kChunks = DB / 8;
+  for (int x = lane; x < 16 * kChunks; x += 32) {
+    const int rr = x / kChunks, c = (x % kChunks) * 8, i = i0 + r0 + rr;
+    if (i < dm.L && c < dm.Dv)
+      *reinterpret_cast<uint4*>(out + (int64_t)i * rsv + c) = *reinterpret_cast<const uint4*>(sO + (r0 + rr) * S + c);
+  }
+}
+
+// Shared memory of the backward: sQ, sdO, sK, sV (64, DB + 8), sP, sdS (64, 72), lse and Δ (64).
+template <int DB>
+constexpr size_t backward_smem() {
+  return (size_t)4 * kRows * (DB + 8) * sizeof(bf16) + (size_t)2 * kRows * (kRows + 8) * sizeof(bf16) +
+         2 * kRows * sizeof(float);
+}
+
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// KG: 16-key groups of the sink (1, 2 or 4). In the dK, dV products warp w takes key group
+// w % KG and column part w / KG of CS parts of DW columns (warps past KG CS idle there).
+// Grid: chunks * BH blocks, chunk-major. Dynamic shared memory: backward_smem<DB>().
+template <int DB, int KG>
+__global__ void __launch_bounds__(kThreads) sink_backward_kernel(ASinkGradParams gp, Dims dm) {
+  constexpr int S = DB + 8, SP = kRows + 8;
+  constexpr int CS = cmin(4 / KG, DB / 16), DW = DB / CS;
+  using Copy = cuda::TileCopy<kRows, DB, kThreads>;
+  const ASinkParams& p = gp.fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (64, S) queries of the current tile
+  bf16* sdO = sQ + kRows * S;                     // (64, S) their output cotangents
+  bf16* sK = sdO + kRows * S;                     // (64, S) sink keys (zeros past the sink)
+  bf16* sV = sK + kRows * S;                      // (64, S) sink values
+  bf16* sP = sV + kRows * S;                      // (64 queries, SP) P, bfloat16
+  bf16* sdS = sP + kRows * SP;                    // (64 queries, SP) dS, bfloat16
+  float* sLse = reinterpret_cast<float*>(sdS + kRows * SP);  // (64) lse in base 2
+  float* sDl = sLse + kRows;                                  // (64) Δ
+  const int bh = (int)(blockIdx.x % (unsigned)dm.BH), b = bh / dm.H, h = bh % dm.H;
+  const int chunk = (int)(blockIdx.x / (unsigned)dm.BH);
+  const int64_t qb = row_base(dm, b, h, dm.D), vb = row_base(dm, b, h, dm.Dv);
+  const int64_t rs = (int64_t)dm.H * dm.D, rsv = (int64_t)dm.H * dm.Dv;
+  const int nk = min(dm.S, dm.L);
+  Copy::template rows<S>(sK, (const bf16*)p.k + qb, rs, 0, nk, dm.D);
+  Copy::template rows<S>(sV, (const bf16*)p.v + vb, rsv, 0, nk, dm.Dv);
+  cuda::cp_async_commit();
+  const float* lse = p.lse + (int64_t)bh * dm.L;
+  const float* delta = gp.delta + (int64_t)bh * dm.L;
+  bf16* dq = (bf16*)gp.dq + qb;
+
+  const int warp = threadIdx.x / 32, lane = lane_of(), g = lane / 4, t = lane % 4, r0 = warp * 16;
+  const int kg = warp % KG, cp = warp / KG;
+  const unsigned live = live_groups(nk);
+  float accK[DW / 8][4] = {}, accV[DW / 8][4] = {};
+  const int tile_end = min((chunk + 1) * (int)kASinkChunkTiles, dm.ntiles);
+  for (int tile = chunk * (int)kASinkChunkTiles; tile < tile_end; ++tile) {
+    const int i0 = tile * kRows;
+    if (min(i0 + kRows, dm.L) - 1 < dm.W) continue;  // (block-uniform) no sink key outside the windows
+    Copy::template rows<S>(sQ, (const bf16*)p.q + qb, rs, i0, dm.L, dm.D);
+    Copy::template rows<S>(sdO, (const bf16*)gp.dout + vb, rsv, i0, dm.L, dm.Dv);
+    cuda::cp_async_commit();
+    if (threadIdx.x < kRows) {
+      const int i = i0 + threadIdx.x;
+      sLse[threadIdx.x] = i < dm.L ? lse[i] * kLog2e : 0.f;
+      sDl[threadIdx.x] = i < dm.L ? delta[i] : 0.f;
+    }
+    cuda::cp_async_wait<0>();
+    __syncthreads();
+
+    const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
+    const int e[2] = {last_sink_key(dm, row[0]), last_sink_key(dm, row[1])};
+    float ps[8][4] = {};  // P, then dS
+    if (min(i0 + r0 + 15, dm.L - 1) >= dm.W) {  // (warp-uniform) some row of the warp sees a sink key
+      warp_dot<DB, 8, S>(ps, sQ, r0, sK, live);
+      float dp[8][4] = {};
+      warp_dot<DB, 8, S>(dp, sdO, r0, sV, live);
+      float lse2[2], dl[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) lse2[r] = sLse[r0 + g + 8 * r], dl[r] = sDl[r0 + g + 8 * r];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = c / 2, col = nt * 8 + 2 * t + (c & 1);
+          const float pr = col <= e[r] ? fast_exp2(ps[nt][c] * dm.scale2 - lse2[r]) : 0.f;
+          sP[(r0 + g + 8 * r) * SP + col] = __float2bfloat16(pr);
+          ps[nt][c] = pr * (dp[nt][c] - dl[r]);
+        }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        *reinterpret_cast<uint32_t*>(sdS + (r0 + g) * SP + nt * 8 + 2 * t) = pack_bf16(ps[nt][0], ps[nt][1]);
+        *reinterpret_cast<uint32_t*>(sdS + (r0 + g + 8) * SP + nt * 8 + 2 * t) = pack_bf16(ps[nt][2], ps[nt][3]);
+      }
+      // dq rows += scale dS K_s (rows with sink keys only; each element by one thread).
+      float acc[DB / 8][4] = {};
+      warp_accumulate<DB, 8, S>(acc, ps, sK, live);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (e[r] < 0) continue;
+        bf16* d = dq + (int64_t)row[r] * rs;
+#pragma unroll
+        for (int nt = 0; nt < DB / 8; ++nt) {
+          const int c = nt * 8 + 2 * t;
+          if (c >= dm.D) continue;
+          __nv_bfloat162* at = reinterpret_cast<__nv_bfloat162*>(d + c);
+          const __nv_bfloat162 old = *at;
+          *reinterpret_cast<uint32_t*>(at) = pack_bf16(__low2float(old) + dm.scale * acc[nt][2 * r],
+                                                       __high2float(old) + dm.scale * acc[nt][2 * r + 1]);
+        }
+      }
+    } else {
+      // The warp's rows take no part: zeros in P and dS for the key-major products.
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          *reinterpret_cast<uint32_t*>(sP + (r0 + g + 8 * r) * SP + nt * 8 + 2 * t) = 0u;
+          *reinterpret_cast<uint32_t*>(sdS + (r0 + g + 8 * r) * SP + nt * 8 + 2 * t) = 0u;
+        }
+    }
+    __syncthreads();
+    if (cp < CS) {
+      warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accV, sP, 16 * kg, sdO + cp * DW);
+      warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accK, sdS, 16 * kg, sQ + cp * DW);
+    }
+    __syncthreads();  // the next tile's copies overwrite sQ, sdO, sP, sdS
+  }
+  cuda::cp_async_wait<0>();  // (a chunk without work still issued the sink copies)
+  if (cp >= CS) return;
+  // The chunk's sums: (chunk, bh, 0 = dK / 1 = dV, key < sink, column < Dm).
+  float* part = gp.workspace + ((int64_t)chunk * dm.BH + bh) * 2 * dm.S * dm.Dm;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = 16 * kg + g + 8 * r;
+    if (key >= dm.S) continue;
+#pragma unroll
+    for (int nt = 0; nt < DW / 8; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = cp * DW + nt * 8 + 2 * t + c;
+        if (col < dm.D) part[(int64_t)key * dm.Dm + col] = accK[nt][2 * r + c];
+        if (col < dm.Dv) part[((int64_t)dm.S + key) * dm.Dm + col] = accV[nt][2 * r + c];
+      }
+  }
+}
+
+// dk (scaled) and dv rows j < min(sink, L) += Σ over chunks in order. One thread per entry of
+// (BH, 2, sink, Dm).
+__global__ void sink_reduce_kernel(ASinkGradParams gp, Dims dm) {
+  const int64_t n = (int64_t)dm.BH * 2 * dm.S * dm.Dm;
+  const int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (x >= n) return;
+  const int col = (int)(x % dm.Dm), key = (int)(x / dm.Dm % dm.S), which = (int)(x / ((int64_t)dm.Dm * dm.S) % 2);
+  const int bh = (int)(x / ((int64_t)dm.Dm * dm.S * 2)), b = bh / dm.H, h = bh % dm.H;
+  const int Dh = which ? dm.Dv : dm.D;
+  if (col >= Dh || key >= dm.L) return;
+  const int64_t stride = (int64_t)dm.BH * 2 * dm.S * dm.Dm;  // between chunks
+  const float* part = gp.workspace + x;
+  float sum = 0.f;
+  for (int c = 0; c < dm.chunks; ++c) sum += part[c * stride];
+  bf16* d = (bf16*)(which ? gp.dv : gp.dk) + row_base(dm, b, h, Dh) + (int64_t)key * dm.H * Dh + col;
+  *d = __float2bfloat16(__bfloat162float(*d) + (which ? sum : dm.scale * sum));
+}
+
+template <class F>
+void dispatch_head_dim(int dmax, F&& f) {
+  HAX_DISPATCH_HEAD_DIM(dmax, [&] { f(std::integral_constant<int, DB>{}); });
+}
+
+}  // namespace
+}  // namespace a_sink_cuda
+
+void a_sink_forward_cuda(const ASinkParams& p, void* stream) {
+  using namespace a_sink_cuda;
+  if (p.batch * p.nheads * p.seqlen == 0) return;
+  const Dims dm = make_dims(p);
+  if (dm.W >= dm.L) return;  // every key lies in the window
+  const auto s = (cudaStream_t)stream;
+  dispatch_head_dim(dm.Dm, [&](auto db) {
+    constexpr int DB = decltype(db)::value;
+    const size_t smem = forward_smem<DB>();
+    cuda::allow_smem(sink_forward_kernel<DB>, smem, "a_shaped_attention sink forward");
+    sink_forward_kernel<DB><<<(unsigned)((int64_t)dm.ntiles * dm.BH), kThreads, smem, s>>>(p, dm);
+  });
+  cuda::check_launch("a_sink_forward_cuda");
+}
+
+void a_sink_backward_cuda(const ASinkGradParams& gp, void* stream) {
+  using namespace a_sink_cuda;
+  const ASinkParams& p = gp.fwd;
+  if (p.batch * p.nheads * p.seqlen == 0) return;
+  const Dims dm = make_dims(p);
+  if (dm.W >= dm.L) return;
+  const auto s = (cudaStream_t)stream;
+  dispatch_head_dim(dm.Dm, [&](auto db) {
+    constexpr int DB = decltype(db)::value;
+    const size_t smem = backward_smem<DB>();
+    const unsigned grid = (unsigned)((int64_t)dm.chunks * dm.BH);
+    auto launch = [&](auto kernel) {
+      cuda::allow_smem(kernel, smem, "a_shaped_attention sink backward");
+      kernel<<<grid, kThreads, smem, s>>>(gp, dm);
+    };
+    if (dm.S <= 16) launch(sink_backward_kernel<DB, 1>);
+    else if (dm.S <= 32) launch(sink_backward_kernel<DB, 2>);
+    else launch(sink_backward_kernel<DB, 4>);
+  });
+  cuda::check_launch("a_sink_backward_cuda");
+  const int64_t n = (int64_t)dm.BH * 2 * dm.S * dm.Dm;
+  sink_reduce_kernel<<<(unsigned)cuda::ceil_div(n, 256), 256, 0, s>>>(gp, dm);
+  cuda::check_launch("a_sink_backward_cuda (reduce)");
+}
+
+}  // namespace hax::ops
