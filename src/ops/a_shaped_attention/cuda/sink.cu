@@ -92,136 +92,187 @@ __device__ __forceinline__ void mask_scores(float (&s)[8][4], const int (&e)[2],
     }
 }
 
+// The tiles of a chunk that have sink work (a tile whose last query is before the window's end
+// has none): [first, end).
+__device__ __forceinline__ void chunk_tiles(const Dims& dm, int chunk, int per_chunk, int& first, int& end) {
+  first = max(chunk * per_chunk, dm.W / kRows);
+  end = min((chunk + 1) * per_chunk, dm.ntiles);
+}
+
+// cp.async copies of rows i0 .. i0 + 63 of src (row stride `stride`) into the shared tile dst
+// (64, DB + 8): columns < cols, rows < limit; zeros elsewhere.
+template <int DB>
+__device__ __forceinline__ void copy_rows(bf16* dst, const bf16* src, int64_t stride, int i0, int limit, int cols) {
+  cuda::TileCopy<kRows, DB, kThreads>::template rows<DB + 8>(dst, src, stride, i0, limit, cols);
+}
+
+// Writes the warp's 16 rows of a shared tile (rows r0.., stride S) to dst rows i0 + r0.. in 16-byte
+// chunks, only rows i with a sink part (i >= W, i < L; the other rows are unchanged).
+template <int DB>
+__device__ __forceinline__ void store_sink_rows(bf16* dst, int64_t stride, const bf16* tile, int i0, int r0,
+                                                const Dims& dm, int cols) {
+  constexpr int S = DB + 8, kChunks = DB / 8;
+  for (int x = lane_of(); x < 16 * kChunks; x += 32) {
+    const int rr = x / kChunks, c = (x % kChunks) * 8, i = i0 + r0 + rr;
+    if (i >= dm.W && i < dm.L && c < cols)
+      *reinterpret_cast<uint4*>(dst + (int64_t)i * stride + c) = *reinterpret_cast<const uint4*>(tile + (r0 + rr) * S + c);
+  }
+}
+
+// Query tiles per block of the forward.
+constexpr int kFwdTiles = 4;
+
 template <int DB>
 constexpr size_t forward_smem() {
-  return (size_t)4 * kRows * (DB + 8) * sizeof(bf16);
+  return (size_t)6 * kRows * (DB + 8) * sizeof(bf16);  // sK, sV, then two stages of (sQ, sO)
 }
 
-// Grid: ntiles * BH blocks, tile-major (blockIdx = tile * BH + bh). Dynamic shared memory:
-// forward_smem<DB>().
+// Grid: ceil(ntiles / kFwdTiles) * BH blocks, chunk-major; each block takes its chunk's tiles in
+// order, copying the next tile's rows (cp.async) while it computes on the current one. Dynamic
+// shared memory: forward_smem<DB>().
 template <int DB>
 __global__ void __launch_bounds__(kThreads) sink_forward_kernel(ASinkParams p, Dims dm) {
-  constexpr int S = DB + 8;
-  using Copy = cuda::TileCopy<kRows, DB, kThreads>;
+  constexpr int S = DB + 8, T = kRows * S;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (64, S) the tile's queries
-  bf16* sK = sQ + kRows * S;                      // (64, S) sink keys, zeros past nk
-  bf16* sV = sK + kRows * S;                      // (64, S) sink values
-  bf16* sO = sV + kRows * S;                      // (64, S) the window part's out rows, then the union's
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // (64, S) sink keys, zeros past the sink
+  bf16* sV = sK + T;                              // (64, S) sink values
+  bf16* sStage = sV + T;                          // stage st: sQ at sStage + 2 T st, sO at + T
   const int bh = (int)(blockIdx.x % (unsigned)dm.BH), b = bh / dm.H, h = bh % dm.H;
-  const int i0 = (int)(blockIdx.x / (unsigned)dm.BH) * kRows;
-  const int i_last = min(i0 + kRows, dm.L) - 1;
-  if (i_last < dm.W) return;                      // every query's sink keys lie in its window
-  const int nk = min(dm.S, i_last - dm.W + 1);   // the sink keys any query of the tile sees
+  int first, end;
+  chunk_tiles(dm, (int)(blockIdx.x / (unsigned)dm.BH), kFwdTiles, first, end);
+  if (first >= end) return;
+  const int nk = min(dm.S, dm.L - dm.W);  // the sink keys any query sees (W < L here)
   const int64_t qb = row_base(dm, b, h, dm.D), vb = row_base(dm, b, h, dm.Dv);
   const int64_t rs = (int64_t)dm.H * dm.D, rsv = (int64_t)dm.H * dm.Dv;
+  const bf16* q = (const bf16*)p.q + qb;
   bf16* out = (bf16*)p.out + vb;
-  Copy::template rows<S>(sQ, (const bf16*)p.q + qb, rs, i0, dm.L, dm.D);
-  Copy::template rows<S>(sK, (const bf16*)p.k + qb, rs, 0, nk, dm.D);
-  Copy::template rows<S>(sV, (const bf16*)p.v + vb, rsv, 0, nk, dm.Dv);
-  Copy::template rows<S>(sO, out, rsv, i0, dm.L, dm.Dv);
-  cuda::cp_async_commit();
-  cuda::cp_async_wait<0>();
-  __syncthreads();
-
-  const int warp = threadIdx.x / 32, lane = lane_of(), g = lane / 4, t = lane % 4, r0 = warp * 16;
-  if (min(i0 + r0 + 15, dm.L - 1) < dm.W) return;  // (warp-uniform) no row of the warp sees a sink key
-  const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
-  const int e[2] = {last_sink_key(dm, row[0]), last_sink_key(dm, row[1])};
-  const unsigned live = live_groups(nk);
-  float s[8][4] = {};
-  warp_dot<DB, 8, S>(s, sQ, r0, sK, live);
-  float mx[2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  mask_scores(s, e, mx);
-  float o[DB / 8][4] = {};
-  online_softmax_step<8, DB / 8>(s, mx, m, l, o, dm.scale2);
-  warp_accumulate<DB, 8, S>(o, s, sV, live);
-
   float* lse = p.lse + (int64_t)bh * dm.L;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = sum4(l[r]);
-    if (e[r] < 0 || !(sum > 0.f)) continue;  // (the 4 lanes of a row agree)
-    const float lw = lse[row[r]], ls = m[r] * kLn2 + logf(sum);
-    const float hi = fmaxf(lw, ls), lu = hi + log1pf(expf(-fabsf(lw - ls)));
-    const float ww = expf(lw - lu), ws = expf(m[r] * kLn2 - lu);  // O_s = o / sum: e^(ls - lu) / sum = ws
-#pragma unroll
-    for (int nt = 0; nt < DB / 8; ++nt) {
-      bf16* at = sO + (r0 + g + 8 * r) * S + nt * 8 + 2 * t;
-      const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(at);
-      *reinterpret_cast<uint32_t*>(at) = pack_bf16(ww * __low2float(w2) + ws * o[nt][2 * r],
-                                                   ww * __high2float(w2) + ws * o[nt][2 * r + 1]);
+  copy_rows<DB>(sK, (const bf16*)p.k + qb, rs, 0, nk, dm.D);  // zeros past nk
+  copy_rows<DB>(sV, (const bf16*)p.v + vb, rsv, 0, nk, dm.Dv);
+  cuda::cp_async_commit();
+  auto issue = [&](int tile, int st) {
+    bf16* sQ = sStage + 2 * T * st;
+    copy_rows<DB>(sQ, q, rs, tile * kRows, dm.L, dm.D);
+    copy_rows<DB>(sQ + T, out, rsv, tile * kRows, dm.L, dm.Dv);
+    cuda::cp_async_commit();
+  };
+  const int warp = threadIdx.x / 32, lane = lane_of(), g = lane / 4, t = lane % 4, r0 = warp * 16;
+  const unsigned live = live_groups(nk);
+  issue(first, 0);
+  for (int tile = first, it = 0; tile < end; ++tile, ++it) {
+    const int st = it & 1, i0 = tile * kRows;
+    if (tile + 1 < end) {
+      issue(tile + 1, st ^ 1);
+      cuda::cp_async_wait<1>();
+    } else {
+      cuda::cp_async_wait<0>();
     }
-    if (t == 0) lse[row[r]] = lu;
-  }
-  __syncwarp();
-  // The warp's 16 rows out in 16-byte chunks (rows without sink keys go back unchanged).
-  constexpr int kChunks = DB / 8;
-  for (int x = lane; x < 16 * kChunks; x += 32) {
-    const int rr = x / kChunks, c = (x % kChunks) * 8, i = i0 + r0 + rr;
-    if (i < dm.L && c < dm.Dv)
-      *reinterpret_cast<uint4*>(out + (int64_t)i * rsv + c) = *reinterpret_cast<const uint4*>(sO + (r0 + rr) * S + c);
+    __syncthreads();
+    const bf16* sQ = sStage + 2 * T * st;
+    bf16* sO = sStage + 2 * T * st + T;  // the window part's out rows, then the union's
+    if (min(i0 + r0 + 15, dm.L - 1) >= dm.W) {  // (warp-uniform) some row of the warp sees a sink key
+      const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
+      const int e[2] = {last_sink_key(dm, row[0]), last_sink_key(dm, row[1])};
+      float s[8][4] = {};
+      warp_dot<DB, 8, S>(s, sQ, r0, sK, live);
+      float mx[2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+      mask_scores(s, e, mx);
+      float o[DB / 8][4] = {};
+      online_softmax_step<8, DB / 8>(s, mx, m, l, o, dm.scale2);
+      warp_accumulate<DB, 8, S>(o, s, sV, live);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float sum = sum4(l[r]);
+        if (e[r] < 0 || !(sum > 0.f)) continue;  // (the 4 lanes of a row agree)
+        const float lw = lse[row[r]], ls = m[r] * kLn2 + logf(sum);
+        const float lu = fmaxf(lw, ls) + log1pf(expf(-fabsf(lw - ls)));
+        const float ww = expf(lw - lu), ws = expf(m[r] * kLn2 - lu);  // O_s = o / sum: e^(ls - lu) / sum = ws
+#pragma unroll
+        for (int nt = 0; nt < DB / 8; ++nt) {
+          bf16* at = sO + (r0 + g + 8 * r) * S + nt * 8 + 2 * t;
+          const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(at);
+          *reinterpret_cast<uint32_t*>(at) = pack_bf16(ww * __low2float(w2) + ws * o[nt][2 * r],
+                                                       ww * __high2float(w2) + ws * o[nt][2 * r + 1]);
+        }
+        if (t == 0) lse[row[r]] = lu;
+      }
+      __syncwarp();
+      store_sink_rows<DB>(out, rsv, sO, i0, r0, dm, dm.Dv);
+    }
+    __syncthreads();  // the next iteration's copies refill this stage
   }
 }
 
-// Shared memory of the backward: sQ, sdO, sK, sV (64, DB + 8), sP, sdS (64, 72), lse and Δ (64).
+// Shared memory of the backward: sK, sV, two stages of (sQ, sdO, sdQ), all (64, DB + 8); sP, sdS
+// (64, 72); two stages of lse and Δ (64 each).
 template <int DB>
 constexpr size_t backward_smem() {
-  return (size_t)4 * kRows * (DB + 8) * sizeof(bf16) + (size_t)2 * kRows * (kRows + 8) * sizeof(bf16) +
-         2 * kRows * sizeof(float);
+  return (size_t)8 * kRows * (DB + 8) * sizeof(bf16) + (size_t)2 * kRows * (kRows + 8) * sizeof(bf16) +
+         4 * kRows * sizeof(float);
 }
 
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 // KG: 16-key groups of the sink (1, 2 or 4). In the dK, dV products warp w takes key group
 // w % KG and column part w / KG of CS parts of DW columns (warps past KG CS idle there).
-// Grid: chunks * BH blocks, chunk-major. Dynamic shared memory: backward_smem<DB>().
+// Grid: chunks * BH blocks, chunk-major; each block takes its chunk's tiles in order, copying the
+// next tile's q, dO and dq rows, lse and Δ (cp.async) while it computes on the current one.
+// Dynamic shared memory: backward_smem<DB>().
 template <int DB, int KG>
 __global__ void __launch_bounds__(kThreads) sink_backward_kernel(ASinkGradParams gp, Dims dm) {
-  constexpr int S = DB + 8, SP = kRows + 8;
+  constexpr int S = DB + 8, SP = kRows + 8, T = kRows * S;
   constexpr int CS = cmin(4 / KG, DB / 16), DW = DB / CS;
-  using Copy = cuda::TileCopy<kRows, DB, kThreads>;
   const ASinkParams& p = gp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // (64, S) queries of the current tile
-  bf16* sdO = sQ + kRows * S;                     // (64, S) their output cotangents
-  bf16* sK = sdO + kRows * S;                     // (64, S) sink keys (zeros past the sink)
-  bf16* sV = sK + kRows * S;                      // (64, S) sink values
-  bf16* sP = sV + kRows * S;                      // (64 queries, SP) P, bfloat16
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // (64, S) sink keys (zeros past the sink)
+  bf16* sV = sK + T;                              // (64, S) sink values
+  bf16* sStage = sV + T;                          // stage st: sQ, sdO, sdQ at sStage + 3 T st + 0, T, 2 T
+  bf16* sP = sStage + 6 * T;                      // (64 queries, SP) P, bfloat16
   bf16* sdS = sP + kRows * SP;                    // (64 queries, SP) dS, bfloat16
-  float* sLse = reinterpret_cast<float*>(sdS + kRows * SP);  // (64) lse in base 2
-  float* sDl = sLse + kRows;                                  // (64) Δ
+  float* sLse = reinterpret_cast<float*>(sdS + kRows * SP);  // stage st: lse at sLse + 64 st (natural log)
+  float* sDl = sLse + 2 * kRows;                              // stage st: Δ at sDl + 64 st
   const int bh = (int)(blockIdx.x % (unsigned)dm.BH), b = bh / dm.H, h = bh % dm.H;
   const int chunk = (int)(blockIdx.x / (unsigned)dm.BH);
   const int64_t qb = row_base(dm, b, h, dm.D), vb = row_base(dm, b, h, dm.Dv);
   const int64_t rs = (int64_t)dm.H * dm.D, rsv = (int64_t)dm.H * dm.Dv;
-  const int nk = min(dm.S, dm.L);
-  Copy::template rows<S>(sK, (const bf16*)p.k + qb, rs, 0, nk, dm.D);
-  Copy::template rows<S>(sV, (const bf16*)p.v + vb, rsv, 0, nk, dm.Dv);
-  cuda::cp_async_commit();
+  const int nk = min(dm.S, dm.L - dm.W);
   const float* lse = p.lse + (int64_t)bh * dm.L;
   const float* delta = gp.delta + (int64_t)bh * dm.L;
   bf16* dq = (bf16*)gp.dq + qb;
+  int first, end;
+  chunk_tiles(dm, chunk, (int)kASinkChunkTiles, first, end);
+  copy_rows<DB>(sK, (const bf16*)p.k + qb, rs, 0, nk, dm.D);
+  copy_rows<DB>(sV, (const bf16*)p.v + vb, rsv, 0, nk, dm.Dv);
+  cuda::cp_async_commit();
+  auto issue = [&](int tile, int st) {
+    const int i0 = tile * kRows;
+    bf16* sQ = sStage + 3 * T * st;
+    copy_rows<DB>(sQ, (const bf16*)p.q + qb, rs, i0, dm.L, dm.D);
+    copy_rows<DB>(sQ + T, (const bf16*)gp.dout + vb, rsv, i0, dm.L, dm.Dv);
+    copy_rows<DB>(sQ + 2 * T, dq, rs, i0, dm.L, dm.D);
+    const int x = threadIdx.x % kRows, i = i0 + x;
+    if (threadIdx.x < kRows) cuda::cp_async4(sLse + kRows * st + x, i < dm.L ? lse + i : lse, i < dm.L);
+    else cuda::cp_async4(sDl + kRows * st + x, i < dm.L ? delta + i : delta, i < dm.L);
+    cuda::cp_async_commit();
+  };
 
   const int warp = threadIdx.x / 32, lane = lane_of(), g = lane / 4, t = lane % 4, r0 = warp * 16;
   const int kg = warp % KG, cp = warp / KG;
   const unsigned live = live_groups(nk);
   float accK[DW / 8][4] = {}, accV[DW / 8][4] = {};
-  const int tile_end = min((chunk + 1) * (int)kASinkChunkTiles, dm.ntiles);
-  for (int tile = chunk * (int)kASinkChunkTiles; tile < tile_end; ++tile) {
-    const int i0 = tile * kRows;
-    if (min(i0 + kRows, dm.L) - 1 < dm.W) continue;  // (block-uniform) no sink key outside the windows
-    Copy::template rows<S>(sQ, (const bf16*)p.q + qb, rs, i0, dm.L, dm.D);
-    Copy::template rows<S>(sdO, (const bf16*)gp.dout + vb, rsv, i0, dm.L, dm.Dv);
-    cuda::cp_async_commit();
-    if (threadIdx.x < kRows) {
-      const int i = i0 + threadIdx.x;
-      sLse[threadIdx.x] = i < dm.L ? lse[i] * kLog2e : 0.f;
-      sDl[threadIdx.x] = i < dm.L ? delta[i] : 0.f;
+  if (first < end) issue(first, 0);
+  for (int tile = first, it = 0; tile < end; ++tile, ++it) {
+    const int st = it & 1, i0 = tile * kRows;
+    if (tile + 1 < end) {
+      issue(tile + 1, st ^ 1);
+      cuda::cp_async_wait<1>();
+    } else {
+      cuda::cp_async_wait<0>();
     }
-    cuda::cp_async_wait<0>();
     __syncthreads();
-
+    const bf16* sQ = sStage + 3 * T * st;
+    const bf16* sdO = sQ + T;
+    bf16* sdQ = sStage + 3 * T * st + 2 * T;
     const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
     const int e[2] = {last_sink_key(dm, row[0]), last_sink_key(dm, row[1])};
     float ps[8][4] = {};  // P, then dS
@@ -231,46 +282,47 @@ __global__ void __launch_bounds__(kThreads) sink_backward_kernel(ASinkGradParams
       warp_dot<DB, 8, S>(dp, sdO, r0, sV, live);
       float lse2[2], dl[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) lse2[r] = sLse[r0 + g + 8 * r], dl[r] = sDl[r0 + g + 8 * r];
+      for (int r = 0; r < 2; ++r) lse2[r] = sLse[kRows * st + r0 + g + 8 * r] * kLog2e, dl[r] = sDl[kRows * st + r0 + g + 8 * r];
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int r = c / 2, col = nt * 8 + 2 * t + (c & 1);
           const float pr = col <= e[r] ? fast_exp2(ps[nt][c] * dm.scale2 - lse2[r]) : 0.f;
-          sP[(r0 + g + 8 * r) * SP + col] = __float2bfloat16(pr);
-          ps[nt][c] = pr * (dp[nt][c] - dl[r]);
+          ps[nt][c] = pr;
+          dp[nt][c] = pr * (dp[nt][c] - dl[r]);
         }
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        *reinterpret_cast<uint32_t*>(sdS + (r0 + g) * SP + nt * 8 + 2 * t) = pack_bf16(ps[nt][0], ps[nt][1]);
-        *reinterpret_cast<uint32_t*>(sdS + (r0 + g + 8) * SP + nt * 8 + 2 * t) = pack_bf16(ps[nt][2], ps[nt][3]);
-      }
-      // dq rows += scale dS K_s (rows with sink keys only; each element by one thread).
-      float acc[DB / 8][4] = {};
-      warp_accumulate<DB, 8, S>(acc, ps, sK, live);
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (e[r] < 0) continue;
-        bf16* d = dq + (int64_t)row[r] * rs;
+        for (int r = 0; r < 2; ++r) {
+          const int off = (r0 + g + 8 * r) * SP + nt * 8 + 2 * t;
+          *reinterpret_cast<uint32_t*>(sP + off) = pack_bf16(ps[nt][2 * r], ps[nt][2 * r + 1]);
+          *reinterpret_cast<uint32_t*>(sdS + off) = pack_bf16(dp[nt][2 * r], dp[nt][2 * r + 1]);
+        }
+      // dq rows += scale dS K_s: added to the staged rows, then the rows with a sink part go out.
+      float acc[DB / 8][4] = {};
+      warp_accumulate<DB, 8, S>(acc, dp, sK, live);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int nt = 0; nt < DB / 8; ++nt) {
-          const int c = nt * 8 + 2 * t;
-          if (c >= dm.D) continue;
-          __nv_bfloat162* at = reinterpret_cast<__nv_bfloat162*>(d + c);
-          const __nv_bfloat162 old = *at;
+          bf16* at = sdQ + (r0 + g + 8 * r) * S + nt * 8 + 2 * t;
+          const __nv_bfloat162 old = *reinterpret_cast<const __nv_bfloat162*>(at);
           *reinterpret_cast<uint32_t*>(at) = pack_bf16(__low2float(old) + dm.scale * acc[nt][2 * r],
                                                        __high2float(old) + dm.scale * acc[nt][2 * r + 1]);
         }
-      }
+      __syncwarp();
+      store_sink_rows<DB>(dq, rs, sdQ, i0, r0, dm, dm.D);
     } else {
       // The warp's rows take no part: zeros in P and dS for the key-major products.
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          *reinterpret_cast<uint32_t*>(sP + (r0 + g + 8 * r) * SP + nt * 8 + 2 * t) = 0u;
-          *reinterpret_cast<uint32_t*>(sdS + (r0 + g + 8 * r) * SP + nt * 8 + 2 * t) = 0u;
+          const int off = (r0 + g + 8 * r) * SP + nt * 8 + 2 * t;
+          *reinterpret_cast<uint32_t*>(sP + off) = 0u;
+          *reinterpret_cast<uint32_t*>(sdS + off) = 0u;
         }
     }
     __syncthreads();
@@ -278,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) sink_backward_kernel(ASinkGradParams
       warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accV, sP, 16 * kg, sdO + cp * DW);
       warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accK, sdS, 16 * kg, sQ + cp * DW);
     }
-    __syncthreads();  // the next tile's copies overwrite sQ, sdO, sP, sdS
+    __syncthreads();  // the next iteration's copies refill this stage; sP and sdS are rewritten
   }
   cuda::cp_async_wait<0>();  // (a chunk without work still issued the sink copies)
   if (cp >= CS) return;
@@ -335,7 +387,8 @@ void a_sink_forward_cuda(const ASinkParams& p, void* stream) {
     constexpr int DB = decltype(db)::value;
     const size_t smem = forward_smem<DB>();
     cuda::allow_smem(sink_forward_kernel<DB>, smem, "a_shaped_attention sink forward");
-    sink_forward_kernel<DB><<<(unsigned)((int64_t)dm.ntiles * dm.BH), kThreads, smem, s>>>(p, dm);
+    const int64_t chunks = (dm.ntiles + kFwdTiles - 1) / kFwdTiles;
+    sink_forward_kernel<DB><<<(unsigned)(chunks * dm.BH), kThreads, smem, s>>>(p, dm);
   });
   cuda::check_launch("a_sink_forward_cuda");
 }
