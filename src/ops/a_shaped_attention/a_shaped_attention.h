@@ -7,11 +7,11 @@
 // keys of the row. Memory O(L·D); no list or L x L tensor on the fast path.
 //
 // On CUDA in bfloat16 (or under autocast) with head dims that are multiples of 8 up to 128 and
-// 1 <= sink <= 64 (a_shaped_attention_native), it runs as two disjoint parts joined exactly: the
-// window by the causal attention kernels, the sink keys outside the window by the kernels of
-// cuda/sink.cu, which merge their part into the window's out and lse and add their gradients to
-// the window's (params.h). Elsewhere (the CPU, float32, other sizes) it runs ops::sparse_attention
-// over the union's lists, which is the definition.
+// 1 <= sink <= 64 (a_shaped_attention_native), it runs as two disjoint parts of one softmax: the
+// window, and the sink keys outside it. The causal attention forward takes the sink as one more
+// key tile; the backward runs the causal backward (the window) with the union's out and lse, then
+// the kernels of cuda/sink.cu add the sink part's gradients (params.h). Elsewhere (the CPU,
+// float32, other sizes) it runs ops::sparse_attention over the union's lists, the definition.
 #pragma once
 #include <ATen/ATen.h>
 

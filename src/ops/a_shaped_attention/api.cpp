@@ -1,5 +1,6 @@
-// Binding layer of A-shaped attention: tensor checks, the CUDA fast path (the causal kernels for
-// the window, cuda/sink.cu for the sink keys outside it) with its autograd, and the lists path.
+// Binding layer of A-shaped attention: tensor checks, the CUDA fast path (the causal forward with
+// its sink tile; the causal backward for the window and cuda/sink.cu for the sink keys outside it)
+// with its autograd, and the lists path.
 #include <torch/torch.h>
 
 #include <cmath>
@@ -70,8 +71,9 @@ ASinkParams sink_params(const Dims& d, int64_t window, int64_t sink, double scal
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The CUDA fast path (bfloat16): window part, then the sink part merged into it; the backward
-// runs the window part's kernels with the union's out and lse, then adds the sink part's share.
+// The CUDA fast path (bfloat16): the causal forward over the window's key tiles and the sink's;
+// the backward runs the window part's kernels with the union's out and lse, then adds the sink
+// part's share (cuda/sink.cu).
 struct AShapedFunction : public torch::autograd::Function<AShapedFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, int64_t window,
                                int64_t sink, double scale) {
@@ -81,13 +83,11 @@ struct AShapedFunction : public torch::autograd::Function<AShapedFunction> {
     at::Tensor out = new_output({d.B, d.L, d.H, d.Dv}, q.options());
     at::Tensor lse = new_output({d.B, d.H, d.L}, q.options().dtype(at::kFloat));
     if (d.B * d.H * d.L > 0) {
+      // The window's tiles and the sink's (one 64-key tile) in one pass of the causal forward.
       CausalAttentionParams wp = window_params(d, window, scale, q, k, v);
+      wp.sink = sink;
       wp.out = out.data_ptr(), wp.lse = lse.data_ptr();
-      const ASinkParams sp = sink_params(d, window, sink, scale, q, k, v, out, lse);
-      HAX_CUDA_LAUNCH(kOp, q, {
-        causal_attention_forward_cuda(wp, DType::kBF16, cuda_stream(q));
-        a_sink_forward_cuda(sp, cuda_stream(q));
-      });
+      HAX_CUDA_LAUNCH(kOp, q, causal_attention_forward_cuda(wp, DType::kBF16, cuda_stream(q)));
     }
     ctx->saved_data["window"] = window;
     ctx->saved_data["sink"] = sink;

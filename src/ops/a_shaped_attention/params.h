@@ -1,13 +1,13 @@
 // Plain parameters of the A-shaped attention's CUDA sink kernels (no LibTorch: the .cu files
 // include this). See a_shaped_attention.h for the definition.
 //
-// On CUDA the union is computed as two disjoint parts: the sliding window, by the causal
-// attention kernels (ops/causal_attention, window w), and the sink keys the window leaves out,
-// by the kernels here. Query i's sink part is the keys
-//   j in [0, e_i],   e_i = min(sink - 1, i - window)   (empty when i < window),
-// so the two parts never share a key and their union is A's. The sink forward merges its part into
-// the window part's (out, lse) in place; the sink backward adds its share to the dq, dk, dv the
-// causal backward wrote (with the union's out, lse and Δ, the same softmax as one attention).
+// On CUDA the union is two disjoint parts: the sliding window, and the sink keys the window leaves
+// out; query i's sink part is the keys
+//   j in [0, e_i],   e_i = min(sink - 1, i - window)   (empty when i < window).
+// The forward is the causal attention forward with its `sink` parameter (ops/causal_attention:
+// the sink's key tile is one more tile of the online softmax). The backward runs the causal
+// backward (the window's dq, dk, dv) with the union's out, lse and Δ, the same softmax as one
+// attention, then the kernels here add the sink part's share to dq and to the sink keys' dk, dv.
 #pragma once
 #include <cstdint>
 
@@ -24,8 +24,8 @@ struct ASinkParams {
   const void* q = nullptr;  // (B, L, H, D) bfloat16, 16-byte aligned
   const void* k = nullptr;  // (B, L, H, D)
   const void* v = nullptr;  // (B, L, H, Dv)
-  void* out = nullptr;      // (B, L, H, Dv): in, the window part's output; out, the union's
-  float* lse = nullptr;     // (B, H, L): in, the window part's lse (natural log); out, the union's
+  const void* out = nullptr;   // (B, L, H, Dv) the union's output (unused by the kernels; Δ has it)
+  const float* lse = nullptr;  // (B, H, L) the union's lse (natural log)
 };
 
 struct ASinkGradParams {
@@ -52,8 +52,7 @@ inline int64_t a_sink_cuda_workspace(const ASinkParams& p) {
   return a_sink_chunks(p) * p.batch * p.nheads * 2 * p.sink * (p.dim > p.vdim ? p.dim : p.vdim);
 }
 
-// bfloat16 only (the tensor-core kernels); `stream` is a cudaStream_t. Deterministic.
-void a_sink_forward_cuda(const ASinkParams& p, void* stream);
+// bfloat16 only (tensor cores); `stream` is a cudaStream_t. Deterministic.
 void a_sink_backward_cuda(const ASinkGradParams& gp, void* stream);
 
 }  // namespace hax::ops

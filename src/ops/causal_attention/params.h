@@ -21,6 +21,11 @@ struct CausalAttentionParams {
   // [band[2][j], band[3][j]] (empty when first > last); the two descriptions must agree and all
   // four be non-decreasing in i resp. j. LSH in bucket order is such a band (patterns/lsh_band).
   const int32_t* band = nullptr;
+  // A-shaped attention's sink (ops/a_shaped_attention): query i also sees the keys
+  // j <= min(sink - 1, i - window), the row's first keys outside its window (window >= 1, no band,
+  // no seq_idx). Only the bfloat16 tensor-core forward takes it (the backward's dQ and dK/dV stay
+  // the window's; ops/a_shaped_attention adds the sink's share); 0 everywhere else.
+  int64_t sink = 0;
   void* out = nullptr;            // out (B, L, H, Dv)
   void* lse = nullptr;            // out (B, H, L): q's dtype on the CPU, always float32 on CUDA
   bool tensor_cores = true;       // CUDA, bfloat16 only: mma.sync tiles (false: the float32 FMA tiles)

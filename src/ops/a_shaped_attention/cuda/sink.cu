@@ -1,11 +1,8 @@
-// CUDA kernels of A-shaped attention's sink part (params.h states the split): the keys
-// j <= e_i = min(sink - 1, i - window) of query i, which the window part leaves out. bfloat16
+// CUDA kernels of A-shaped attention's sink part in the backward (params.h states the split): the
+// keys j <= e_i = min(sink - 1, i - window) of query i, which the window part leaves out. The
+// forward needs none of its own: the causal forward takes the sink as one more key tile. bfloat16
 // storage on tensor cores (mma.sync, ops/cuda/mma_bf16.cuh), float32 math.
 //
-//   sink_forward_kernel   one block per (64-query tile, b, h): S = Q K_s^T over the (at most 64)
-//                         sink keys, its softmax and O_s = P V_s, merged into the window part's
-//                         out and lse in place: lse = logaddexp(lse_w, lse_s),
-//                         out = e^(lse_w - lse) out_w + e^(lse_s - lse) O_s.
 //   sink_backward_kernel  one block per (chunk of kASinkChunkTiles query tiles, b, h), with the
 //                         union's lse and Δ (the same softmax as the window part's backward):
 //                         P = exp(S - lse), dP = dO V_s^T, dS = P (dP - Δ);
@@ -31,7 +28,6 @@ using namespace cuda::mma;
 constexpr int kRows = 64;      // queries of a tile; sink keys of a block (padded with zeros)
 constexpr int kThreads = 128;  // 4 warps, 16 query rows each
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // The sizes the kernels index with (checked to fit an int by the launchers).
 struct Dims {
@@ -77,21 +73,6 @@ __device__ __forceinline__ int last_sink_key(const Dims& dm, int i) {
 // Bits of the 16-key groups that hold keys < nk (for warp_dot / warp_accumulate's `live`).
 __device__ __forceinline__ unsigned live_groups(int nk) { return (1u << ((nk + 15) / 16)) - 1u; }
 
-// Masks s (16 rows x 64 sink keys in C fragments: rows g and g + 8 of the warp) to -inf past each
-// row's last key e[r] and returns the rows' maxima in mx.
-__device__ __forceinline__ void mask_scores(float (&s)[8][4], const int (&e)[2], float (&mx)[2]) {
-  const int t = lane_of() % 4;
-  mx[0] = mx[1] = -INFINITY;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int r = c / 2, col = nt * 8 + 2 * t + (c & 1);
-      if (col > e[r]) s[nt][c] = -INFINITY;
-      mx[r] = fmaxf(mx[r], s[nt][c]);
-    }
-}
-
 // The tiles of a chunk that have sink work (a tile whose last query is before the window's end
 // has none): [first, end).
 __device__ __forceinline__ void chunk_tiles(const Dims& dm, int chunk, int per_chunk, int& first, int& end) {
@@ -116,90 +97,6 @@ __device__ __forceinline__ void store_sink_rows(bf16* dst, int64_t stride, const
     const int rr = x / kChunks, c = (x % kChunks) * 8, i = i0 + r0 + rr;
     if (i >= dm.W && i < dm.L && c < cols)
       *reinterpret_cast<uint4*>(dst + (int64_t)i * stride + c) = *reinterpret_cast<const uint4*>(tile + (r0 + rr) * S + c);
-  }
-}
-
-// Query tiles per block of the forward.
-constexpr int kFwdTiles = 4;
-
-template <int DB>
-constexpr size_t forward_smem() {
-  return (size_t)6 * kRows * (DB + 8) * sizeof(bf16);  // sK, sV, then two stages of (sQ, sO)
-}
-
-// Grid: ceil(ntiles / kFwdTiles) * BH blocks, chunk-major; each block takes its chunk's tiles in
-// order, copying the next tile's rows (cp.async) while it computes on the current one. Dynamic
-// shared memory: forward_smem<DB>().
-template <int DB>
-__global__ void __launch_bounds__(kThreads) sink_forward_kernel(ASinkParams p, Dims dm) {
-  constexpr int S = DB + 8, T = kRows * S;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // (64, S) sink keys, zeros past the sink
-  bf16* sV = sK + T;                              // (64, S) sink values
-  bf16* sStage = sV + T;                          // stage st: sQ at sStage + 2 T st, sO at + T
-  const int bh = (int)(blockIdx.x % (unsigned)dm.BH), b = bh / dm.H, h = bh % dm.H;
-  int first, end;
-  chunk_tiles(dm, (int)(blockIdx.x / (unsigned)dm.BH), kFwdTiles, first, end);
-  if (first >= end) return;
-  const int nk = min(dm.S, dm.L - dm.W);  // the sink keys any query sees (W < L here)
-  const int64_t qb = row_base(dm, b, h, dm.D), vb = row_base(dm, b, h, dm.Dv);
-  const int64_t rs = (int64_t)dm.H * dm.D, rsv = (int64_t)dm.H * dm.Dv;
-  const bf16* q = (const bf16*)p.q + qb;
-  bf16* out = (bf16*)p.out + vb;
-  float* lse = p.lse + (int64_t)bh * dm.L;
-  copy_rows<DB>(sK, (const bf16*)p.k + qb, rs, 0, nk, dm.D);  // zeros past nk
-  copy_rows<DB>(sV, (const bf16*)p.v + vb, rsv, 0, nk, dm.Dv);
-  cuda::cp_async_commit();
-  auto issue = [&](int tile, int st) {
-    bf16* sQ = sStage + 2 * T * st;
-    copy_rows<DB>(sQ, q, rs, tile * kRows, dm.L, dm.D);
-    copy_rows<DB>(sQ + T, out, rsv, tile * kRows, dm.L, dm.Dv);
-    cuda::cp_async_commit();
-  };
-  const int warp = threadIdx.x / 32, lane = lane_of(), g = lane / 4, t = lane % 4, r0 = warp * 16;
-  const unsigned live = live_groups(nk);
-  issue(first, 0);
-  for (int tile = first, it = 0; tile < end; ++tile, ++it) {
-    const int st = it & 1, i0 = tile * kRows;
-    if (tile + 1 < end) {
-      issue(tile + 1, st ^ 1);
-      cuda::cp_async_wait<1>();
-    } else {
-      cuda::cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* sQ = sStage + 2 * T * st;
-    bf16* sO = sStage + 2 * T * st + T;  // the window part's out rows, then the union's
-    if (min(i0 + r0 + 15, dm.L - 1) >= dm.W) {  // (warp-uniform) some row of the warp sees a sink key
-      const int row[2] = {i0 + r0 + g, i0 + r0 + g + 8};
-      const int e[2] = {last_sink_key(dm, row[0]), last_sink_key(dm, row[1])};
-      float s[8][4] = {};
-      warp_dot<DB, 8, S>(s, sQ, r0, sK, live);
-      float mx[2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-      mask_scores(s, e, mx);
-      float o[DB / 8][4] = {};
-      online_softmax_step<8, DB / 8>(s, mx, m, l, o, dm.scale2);
-      warp_accumulate<DB, 8, S>(o, s, sV, live);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float sum = sum4(l[r]);
-        if (e[r] < 0 || !(sum > 0.f)) continue;  // (the 4 lanes of a row agree)
-        const float lw = lse[row[r]], ls = m[r] * kLn2 + logf(sum);
-        const float lu = fmaxf(lw, ls) + log1pf(expf(-fabsf(lw - ls)));
-        const float ww = expf(lw - lu), ws = expf(m[r] * kLn2 - lu);  // O_s = o / sum: e^(ls - lu) / sum = ws
-#pragma unroll
-        for (int nt = 0; nt < DB / 8; ++nt) {
-          bf16* at = sO + (r0 + g + 8 * r) * S + nt * 8 + 2 * t;
-          const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(at);
-          *reinterpret_cast<uint32_t*>(at) = pack_bf16(ww * __low2float(w2) + ws * o[nt][2 * r],
-                                                       ww * __high2float(w2) + ws * o[nt][2 * r + 1]);
-        }
-        if (t == 0) lse[row[r]] = lu;
-      }
-      __syncwarp();
-      store_sink_rows<DB>(out, rsv, sO, i0, r0, dm, dm.Dv);
-    }
-    __syncthreads();  // the next iteration's copies refill this stage
   }
 }
 
@@ -376,22 +273,6 @@ void dispatch_head_dim(int dmax, F&& f) {
 
 }  // namespace
 }  // namespace a_sink_cuda
-
-void a_sink_forward_cuda(const ASinkParams& p, void* stream) {
-  using namespace a_sink_cuda;
-  if (p.batch * p.nheads * p.seqlen == 0) return;
-  const Dims dm = make_dims(p);
-  if (dm.W >= dm.L) return;  // every key lies in the window
-  const auto s = (cudaStream_t)stream;
-  dispatch_head_dim(dm.Dm, [&](auto db) {
-    constexpr int DB = decltype(db)::value;
-    const size_t smem = forward_smem<DB>();
-    cuda::allow_smem(sink_forward_kernel<DB>, smem, "a_shaped_attention sink forward");
-    const int64_t chunks = (dm.ntiles + kFwdTiles - 1) / kFwdTiles;
-    sink_forward_kernel<DB><<<(unsigned)(chunks * dm.BH), kThreads, smem, s>>>(p, dm);
-  });
-  cuda::check_launch("a_sink_forward_cuda");
-}
 
 void a_sink_backward_cuda(const ASinkGradParams& gp, void* stream) {
   using namespace a_sink_cuda;

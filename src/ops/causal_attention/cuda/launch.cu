@@ -2,6 +2,9 @@
 // unless switched off, float32 FMA tiles otherwise). The backward needs Δ_i = dO_i · O_i - dlse_i
 // (float32, in the workspace (B, H, L)): the tensor-core dQ kernel computes it for its rows; for
 // the FMA tiles a kernel here does first (one warp per (b, i, h) row).
+#include <stdexcept>
+#include <string>
+
 #include "ops/causal_attention/cuda/kernels.cuh"
 #include "ops/causal_attention/cuda/tiles.cuh"
 
@@ -35,6 +38,9 @@ bool use_tensor_cores(const CausalAttentionParams& p, DType dtype) { return dtyp
 void causal_attention_forward_cuda(const CausalAttentionParams& p, DType dtype, void* stream) {
   if (p.batch * p.nheads * p.seqlen == 0) return;
   const auto s = (cudaStream_t)stream;
+  if (p.sink > 0 && (!use_tensor_cores(p, dtype) || p.window < 1 || p.band || p.seq_idx))
+    throw std::runtime_error("causal_attention_forward_cuda: a sink of " + std::to_string(p.sink) +
+                             " keys needs the bfloat16 tensor-core kernels, a window >= 1, no band and no seq_idx");
   if (use_tensor_cores(p, dtype)) causal_cuda::forward_mma(p, s);
   else causal_cuda::forward_simt(p, dtype, s);
 }

@@ -113,7 +113,8 @@ struct FwdCfg {
   static constexpr size_t smem = SmemHead<kMode>::bytes + sizeof(bf16) * (kRows + 2 * NB * BN) * S;  // sQ, sK[NB], sV[NB]
 };
 
-template <int DB, int kMode>
+// kSink: p.sink > 0 (A-shaped attention's sink tile); the plain causal form is compiled without it.
+template <int DB, int kMode, bool kSink>
 __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
     forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec, const __grid_constant__ TmaMaps maps) {
   using Cfg = FwdCfg<DB, kMode>;
@@ -143,6 +144,22 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   }
   int kt_begin, kt_end;
   tile_span(vis.first_key(i0), vis.last_key(min(i0 + kRows - 1, L - 1)), BN, L, kt_begin, kt_end);
+  // A-shaped attention's sink (p.sink > 0, params.h): row r also sees the keys [0, es[r]],
+  // es = min(sink - 1, row - window), which come as nsink extra key tiles before the window's
+  // (step n < nsink is key tile n, masked to [0, es]; step n >= nsink is tile kt_begin + n - nsink).
+  int es[2] = {-1, -1}, nsink = 0;
+  if constexpr (kSink) {
+    // (int64_t: the window may exceed L, then no query has a sink part)
+    auto last_sink = [&](int i) {
+      const int64_t e = i - p.window < p.sink - 1 ? i - p.window : p.sink - 1;
+      return e < 0 ? -1 : (int)e;
+    };
+#pragma unroll
+    for (int r = 0; r < 2; ++r) es[r] = row[r] < L ? last_sink(row[r]) : -1;
+    const int e_last = last_sink(min(i0 + kRows - 1, L - 1));
+    nsink = e_last >= 0 ? e_last / BN + 1 : 0;
+  }
+  auto kt_of = [&](int n) { return n < nsink ? n : kt_begin + n - nsink; };
   // kCopy: tile kt's keys and values into buffer b.
   auto issue = [&](int kt, int b) {
     const int j0 = kt * BN;
@@ -150,45 +167,50 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
     cuda::async_tile<S, BN, DB, kThreads>(sV0 + b * BN * S, v, sv, j0, L, dm.Dv);
     cuda::cp_async_commit();
   };
-  // kTma: fill n of the ring (key tile kt_begin + n) by the calling warp; the first brings sQ too.
+  // kTma: fill n of the ring (key tile kt_of(n)) by the calling warp; the first brings sQ too.
   auto fill = [&](int n) {
     const int buf = ring.buffer(n);
     ring.fill(n, (n == 0 ? 3 : 2) * BN * 64 * 2, [&](uint64_t* bar) {
-      cuda::tma_load_4d(sK0 + buf * BN * S, &maps.k, 0, h, (kt_begin + n) * BN, b, bar);
-      cuda::tma_load_4d(sV0 + buf * BN * S, &maps.v, 0, h, (kt_begin + n) * BN, b, bar);
+      cuda::tma_load_4d(sK0 + buf * BN * S, &maps.k, 0, h, kt_of(n) * BN, b, bar);
+      cuda::tma_load_4d(sV0 + buf * BN * S, &maps.v, 0, h, kt_of(n) * BN, b, bar);
       if (n == 0) cuda::tma_load_4d(sQ, &maps.q, 0, h, i0, b, bar);
     });
   };
-  const int tiles = kt_end - kt_begin + 1;
+  const int tiles = nsink + kt_end - kt_begin + 1;
   if constexpr (kMode == kTma) {
     ring.start(tiles, fill);
   } else if constexpr (kMode == kCopy) {
     cuda::async_tile<S, kRows, DB, kThreads>(sQ, q, sqk, i0, L, dm.D);
-    issue(kt_begin, 0);  // one group with sQ
+    issue(kt_of(0), 0);  // one group with sQ
   } else {
     load_rows_bf16(sQ, S, q, sqk, i0, kRows, L, dm.D, DB, vec.qk);
   }
 
   float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  for (int kt = kt_begin; kt <= kt_end; ++kt) {
-    const int j0 = kt * BN, n = kt - kt_begin, buf = kMode == kPlain ? 0 : n % 2;
+  for (int kt = kt_begin - nsink; kt <= kt_end; ++kt) {  // (kt < kt_begin: the sink's steps)
+    const int n = kt - kt_begin + nsink;
+    const bool sink_step = kSink && n < nsink;
+    const int j0 = (sink_step ? n : kt) * BN, buf = kMode == kPlain ? 0 : n % 2;
     const bf16* sK = sK0 + buf * BN * S;
     const bf16* sV = sV0 + buf * BN * S;
+    // The keys each row sees in this tile: the window's [lo, hi], or a sink tile's [0, es].
+    const int lo_n[2] = {sink_step ? 0 : lo[0], sink_step ? 0 : lo[1]};
+    const int hi_n[2] = {sink_step ? es[0] : hi[0], sink_step ? es[1] : hi[1]};
     if constexpr (kMode == kTma) {
       ring.wait(n);
     } else if constexpr (kMode == kCopy) {
-      // Tile kt has landed (this thread's copies: the wait; everyone's: the barrier), and every
-      // warp is done with tile kt - 1, so its buffer takes tile kt + 1.
+      // Tile n has landed (this thread's copies: the wait; everyone's: the barrier), and every
+      // warp is done with tile n - 1, so its buffer takes tile n + 1.
       cuda::cp_async_wait<0>();
       __syncthreads();
-      if (kt < kt_end) issue(kt + 1, buf ^ 1);
+      if (kt < kt_end) issue(kt_of(n + 1), buf ^ 1);
     } else {
       __syncthreads();  // the previous tile's sK, sV are read
       load_rows_bf16(sK0, S, k, sqk, j0, BN, L, dm.D, DB, vec.qk);
       load_rows_bf16(sV0, S, v, sv, j0, BN, L, dm.Dv, DB, vec.v);
       __syncthreads();
     }
-    const unsigned live = live_groups<BN / 16>(j0, lo, hi);
+    const unsigned live = live_groups<BN / 16>(j0, lo_n, hi_n);
     float s[NT][4] = {};
     // kTma: S = Q K^T of the whole 64 x 64 tile by the warpgroup (every warp takes part).
     if constexpr (kW) cuda::wgmma_dot<NT>(s, sQ, sK);
@@ -201,12 +223,12 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2, j = j0 + nt * 8 + 2 * t + e % 2;
-            const bool seen = !decltype(masked)::value || (j <= hi[r] && j >= lo[r]);
+            const bool seen = !decltype(masked)::value || (j <= hi_n[r] && j >= lo_n[r]);
             if (!seen) s[nt][e] = -INFINITY;
             mx[r] = fmaxf(mx[r], s[nt][e]);
           }
       };
-      if (all_visible(j0, j0 + BN - 1, lo, hi)) scores(std::false_type{});
+      if (all_visible(j0, j0 + BN - 1, lo_n, hi_n)) scores(std::false_type{});
       else scores(std::true_type{});
       online_softmax_step<NT, DT>(s, mx, m, l, o, dm.scale2);
       warp_accumulate<DB, NT, Lay>(o, s, sV, live);
@@ -749,8 +771,13 @@ void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
     auto launch = [&](auto mode) {
       constexpr int kM = decltype(mode)::value;
       constexpr size_t smem = FwdCfg<DB, kM>::smem;
-      allow_smem(forward_kernel<DB, kM>, smem, "causal_attention_forward_cuda");
-      forward_kernel<DB, kM><<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
+      if (p.sink > 0) {
+        allow_smem(forward_kernel<DB, kM, true>, smem, "causal_attention_forward_cuda");
+        forward_kernel<DB, kM, true><<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
+      } else {
+        allow_smem(forward_kernel<DB, kM, false>, smem, "causal_attention_forward_cuda");
+        forward_kernel<DB, kM, false><<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
+      }
     };
     if constexpr (DB == 64)
       if (tma && (tma_mask() & 1)) return launch(std::integral_constant<int, kTma>{});
