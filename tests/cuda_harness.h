@@ -101,6 +101,25 @@ inline void expect_runs_close(const std::pair<Tensors, Tensors>& run, const std:
   }
 }
 
+// Two runs of the CUDA op on the same inputs (in `dtype`) and cotangents give bit-identical outputs
+// and input gradients (backward passes without float atomics).
+inline void expect_cuda_runs_bit_identical(const OpCase& c, at::ScalarType dtype) {
+  Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), dtype);
+  Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  auto [o1, g1] = run_on_device(c.op, in, w);
+  auto [o2, g2] = run_on_device(c.op, in, w);
+  for (size_t k = 0; k < o1.size(); ++k) {
+    if (o1[k].defined()) {
+      EXPECT_TRUE(at::equal(o1[k], o2[k])) << c.name << ": output " << k;
+    }
+  }
+  for (size_t i = 0; i < g1.size(); ++i) {
+    if (g1[i].defined()) {
+      EXPECT_TRUE(at::equal(g1[i], g2[i])) << c.name << ": gradient " << i;
+    }
+  }
+}
+
 // The CUDA op in bfloat16 against the float64 definition on the same (bfloat16-rounded) inputs: each
 // output's and gradient's error is at most 2x that of a naive bfloat16 computation (the float64
 // definition's result rounded to bfloat16 after every input was), plus `floor` (relative to the

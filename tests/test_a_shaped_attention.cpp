@@ -143,13 +143,7 @@ TEST(AShapedAttentionCuda, At65537) {
 TEST(AShapedAttentionCuda, GradientsAreBitIdenticalAcrossRuns) {
   HAX_REQUIRE_CUDA();
   torch::manual_seed(85);
-  const OpCase c = a_case({2, 1000, 3, 64, 32, 32, 32});
-  Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
-  Tensors w = random_cotangents(c.op(clone_leaves(in)));
-  auto [o1, g1] = run_on_device(c.op, in, w);
-  auto [o2, g2] = run_on_device(c.op, in, w);
-  for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
-  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
+  expect_cuda_runs_bit_identical(a_case({2, 1000, 3, 64, 32, 32, 32}), at::kBFloat16);
 }
 
 // The model's sparse branch with sparse = "a" on the GPU in bfloat16 (the fast path) against the

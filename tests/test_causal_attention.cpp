@@ -291,15 +291,8 @@ TEST(CausalAttentionCuda, GradientsAreBitIdenticalAcrossRuns) {
   // No atomics: two runs give the same bits (deterministic mode changes nothing here).
   HAX_REQUIRE_CUDA();
   torch::manual_seed(34);
-  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-    OpCase c = causal_case({2, 1000, 3, 64, 32, 0, true});
-    Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), dt);
-    Tensors w = random_cotangents(c.op(clone_leaves(in)));
-    auto [o1, g1] = run_on_device(c.op, in, w);
-    auto [o2, g2] = run_on_device(c.op, in, w);
-    for (size_t k = 0; k < o1.size(); ++k) EXPECT_TRUE(at::equal(o1[k], o2[k])) << "output " << k;
-    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(g1[i], g2[i])) << "gradient " << i;
-  }
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16})
+    expect_cuda_runs_bit_identical(causal_case({2, 1000, 3, 64, 32, 0, true}), dt);
 }
 
 TEST(CausalAttentionCuda, BadInputsNameTheTensor) {

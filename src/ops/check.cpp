@@ -47,6 +47,19 @@ void check_same(const char* op, const char* name, const at::Tensor& t, const at:
             like.device().str());
 }
 
+QkvDims check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_rank(op, "q", q, 4, "(B, L, H, D)");
+  check_floating(op, "q", q);
+  QkvDims d{q.size(0), q.size(1), q.size(2), q.size(3), 0};
+  check_shape(op, "k", k, {d.B, d.L, d.H, d.D}, "(B, L, H, D)");
+  check_rank(op, "v", v, 4, "(B, L, H, Dv)");
+  d.Dv = v.size(3);
+  check_shape(op, "v", v, {d.B, d.L, d.H, d.Dv}, "(B, L, H, Dv)");
+  check_same(op, "k", k, q);
+  check_same(op, "v", v, q);
+  return d;
+}
+
 at::Tensor check_seq_idx(const char* op, const at::Tensor& seq_idx, int64_t B, int64_t L) {
   if (!seq_idx.defined()) return seq_idx;
   check_shape(op, "seq_idx", seq_idx, {B, L}, "(B, L)");

@@ -18,6 +18,12 @@ void check_same(const char* op, const char* name, const at::Tensor& t, const at:
 // `t` must be on a device this build supports, and float32 or float64 on the CPU, float32 or
 // bfloat16 on a CUDA device.
 void check_floating(const char* op, const char* name, const at::Tensor& t);
+// Self-attention inputs: q, k (B, L, H, D) and v (B, L, H, Dv) of one floating dtype on one
+// device (check_floating). Returns {B, L, H, D, Dv}.
+struct QkvDims {
+  int64_t B, L, H, D, Dv;
+};
+QkvDims check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 // Converts an optional seq_idx (B, L) to contiguous int32 (on its own device) and checks that each
 // row is non-decreasing. The row check reads tensor values: always on the CPU, on a CUDA device
 // only while check_device_values() is on (it would stall the host on every call).

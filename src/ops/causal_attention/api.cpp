@@ -16,20 +16,10 @@ constexpr const char* kOp = "causal_attention";
 
 std::atomic<bool> g_tensor_cores{true};
 
-struct Dims {
-  int64_t B, L, H, D, Dv;
-};
+using Dims = QkvDims;
 
 Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window, double scale) {
-  check_rank(kOp, "q", q, 4, "(B, L, H, D)");
-  check_floating(kOp, "q", q);
-  Dims d{q.size(0), q.size(1), q.size(2), q.size(3), 0};
-  check_shape(kOp, "k", k, {d.B, d.L, d.H, d.D}, "(B, L, H, D)");
-  check_rank(kOp, "v", v, 4, "(B, L, H, Dv)");
-  d.Dv = v.size(3);
-  check_shape(kOp, "v", v, {d.B, d.L, d.H, d.Dv}, "(B, L, H, Dv)");
-  check_same(kOp, "k", k, q);
-  check_same(kOp, "v", v, q);
+  const Dims d = check_qkv(kOp, q, k, v);
   HAX_CHECK(window >= 0, "{}: window {} must be >= 0 (0 = every earlier key)", kOp, window);
   HAX_CHECK(scale > 0 && std::isfinite(scale), "{}: scale {} must be positive and finite (e.g. 1/sqrt(D))", kOp,
             scale);
