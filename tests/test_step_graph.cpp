@@ -11,6 +11,7 @@
 #include "cuda_harness.h"
 #include "model_variants.h"
 #include "models/lm.h"
+#include "ops/a_shaped_attention/a_shaped_attention.h"
 #include "tasks/batch.h"
 #include "tasks/registry.h"
 #include "tasks/splits.h"
@@ -132,53 +133,79 @@ TEST(PadBatch, LossAndGradientsUnchangedForEveryVariant) {
   }
 }
 
+namespace {
+
+// Twin models on the GPU, one trained eagerly and one from captured graphs, on the same batches:
+// the graph's metrics and parameters follow the eager run's.
+void expect_graph_follows_eager(const ModelConfig& c, const StepSettings& settings, const Task& task) {
+  const at::Device gpu(at::kCUDA, 0);
+  auto make = [&] {
+    torch::manual_seed(21);
+    auto m = std::make_shared<LanguageModel>(c);
+    m->to(gpu);
+    m->train();
+    return m;
+  };
+  auto eager_model = make(), graph_model = make();
+  auto pe = eager_model->state_tensors(), pg = graph_model->state_tensors();
+  AdamW oe(pe, {}), og(pg, {});
+  StepGraph graph(*graph_model, og, pg, settings);
+  const int steps = 7;
+  for (int s = 0; s < steps; ++s) {
+    const Batch b = make_batch(samples_of(task, 8 * s, 8), true, 60);
+    const double lr = 2e-3 * (s + 1) / steps;  // a changing rate, as in warm-up
+    ForwardContext ctx;
+    ctx.seed = 40 + s;
+    oe.zero_grad();
+    const at::Tensor me = device_train_step(*eager_model, pe, b, ctx, settings,
+                                            [&](const at::Tensor& skip) { oe.step(lr, skip); });
+    const at::Tensor mg = graph.run(b, 40 + s, lr, 0);
+    ASSERT_TRUE(mg.defined()) << "step " << s << ": " << graph.disabled_reason();
+    const at::Tensor e = me.cpu(), g = mg.cpu();
+    for (int k = 0; k < 4; ++k)  // loss, ranking loss, gradient norm, Σ accuracy
+      EXPECT_NEAR(g[k].item<double>(), e[k].item<double>(), 1e-3 * (1 + std::abs(e[k].item<double>())))
+          << "step " << s << " metric " << k;
+  }
+  EXPECT_FALSE(graph.disabled()) << graph.disabled_reason();
+  EXPECT_EQ(graph.eager(), 2);
+  EXPECT_GE(graph.captures(), 1);
+  EXPECT_EQ(graph.replays(), steps - 2);
+  EXPECT_EQ(og.steps_taken(), steps);
+  for (auto& [name, p] : pe) {
+    const double scale = 1 + p.abs().max().item<double>();
+    EXPECT_LE((pg.at(name) - p).abs().max().item<double>(), 2e-3 * scale) << name;
+  }
+}
+
+}  // namespace
+
 TEST(CudaStepGraph, ReplaysFollowEagerStepsForEveryVariant) {
   HAX_REQUIRE_CUDA();
   if (!fused_optimizer_built()) GTEST_SKIP() << "this LibTorch has no fused AdamW (CUDA graphs need it)";
   auto task = small_task();
-  const at::Device gpu(at::kCUDA, 0);
   for (const auto& v : all_variants()) {
     SCOPED_TRACE(name_of(v));
     ModelConfig c = hybrid_config(v.first, v.second);
     c.vocab_size = task->min_vocab();
-    // Twin float32 models on the GPU: one trained eagerly, one from graphs, on the same batches.
-    auto make = [&] {
-      torch::manual_seed(21);
-      auto m = std::make_shared<LanguageModel>(c);
-      m->to(gpu);
-      m->train();
-      return m;
-    };
-    auto eager_model = make(), graph_model = make();
-    auto pe = eager_model->state_tensors(), pg = graph_model->state_tensors();
-    AdamW oe(pe, {}), og(pg, {});
-    const StepSettings settings{"fp32", 0.1, 1.0};
-    StepGraph graph(*graph_model, og, pg, settings);
-    const int steps = 7;
-    for (int s = 0; s < steps; ++s) {
-      const Batch b = make_batch(samples_of(*task, 8 * s, 8), true, 60);
-      const double lr = 2e-3 * (s + 1) / steps;  // a changing rate, as in warm-up
-      ForwardContext ctx;
-      ctx.seed = 40 + s;
-      oe.zero_grad();
-      const at::Tensor me = device_train_step(*eager_model, pe, b, ctx, settings,
-                                              [&](const at::Tensor& skip) { oe.step(lr, skip); });
-      const at::Tensor mg = graph.run(b, 40 + s, lr, 0);
-      ASSERT_TRUE(mg.defined()) << "step " << s << ": " << graph.disabled_reason();
-      const at::Tensor e = me.cpu(), g = mg.cpu();
-      for (int k = 0; k < 4; ++k)  // loss, ranking loss, gradient norm, Σ accuracy
-        EXPECT_NEAR(g[k].item<double>(), e[k].item<double>(), 1e-3 * (1 + std::abs(e[k].item<double>())))
-            << "step " << s << " metric " << k;
-    }
-    EXPECT_FALSE(graph.disabled()) << graph.disabled_reason();
-    EXPECT_EQ(graph.eager(), 2);
-    EXPECT_GE(graph.captures(), 1);
-    EXPECT_EQ(graph.replays(), steps - 2);
-    EXPECT_EQ(og.steps_taken(), steps);
-    for (auto& [name, p] : pe) {
-      const double scale = 1 + p.abs().max().item<double>();
-      EXPECT_LE((pg.at(name) - p).abs().max().item<double>(), 2e-3 * scale) << name;
-    }
+    expect_graph_follows_eager(c, StepSettings{"fp32", 0.1, 1.0}, *task);
+  }
+}
+
+// bf16 autocast with graphs through the kernels that only bf16 takes: A-shaped attention's sink
+// kernels (query/key width 8, so that its fast path applies; ops::a_shaped_attention_native).
+TEST(CudaStepGraph, Bf16ReplaysFollowEagerStepsOnTheSinkKernels) {
+  HAX_REQUIRE_CUDA();
+  if (!fused_optimizer_built()) GTEST_SKIP() << "this LibTorch has no fused AdamW (CUDA graphs need it)";
+  auto task = small_task();
+  for (const char* mixer : {"mamba2", "mamba"}) {
+    SCOPED_TRACE(mixer);
+    ModelConfig c = hybrid_config(mixer, "a");
+    c.vocab_size = task->min_vocab();
+    c.qk_dim = 8;
+    const auto o = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+    ASSERT_TRUE(ops::a_shaped_attention_native(at::zeros({1, 1, 1, c.qk_dim}, o), at::zeros({1, 1, 1, 32}, o),
+                                               c.keys_per_part(), c.keys_per_part()));
+    expect_graph_follows_eager(c, StepSettings{"bf16", 0.1, 1.0}, *task);
   }
 }
 
