@@ -120,6 +120,16 @@ inline void expect_cuda_runs_bit_identical(const OpCase& c, at::ScalarType dtype
   }
 }
 
+// The CUDA op in bfloat16 against the same op on the CPU in float64, on the same bfloat16-rounded
+// inputs and cotangents: every output and gradient within `tol` of the CPU's largest entry (for
+// lengths where the dense float64 reference has no room).
+inline void expect_cuda_bf16_close_to_cpu_float64(const OpCase& c, double tol) {
+  Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
+  Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  expect_runs_close(run_on_device(c.op, in, w), run_on_device(c.op, to_device(in, at::Device(at::kCPU), at::kDouble), w),
+                    tol);
+}
+
 // The CUDA op in bfloat16 against the float64 definition on the same (bfloat16-rounded) inputs: each
 // output's and gradient's error is at most 2x that of a naive bfloat16 computation (the float64
 // definition's result rounded to bfloat16 after every input was), plus `floor` (relative to the

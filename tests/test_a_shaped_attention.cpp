@@ -132,11 +132,7 @@ TEST(AShapedAttentionCuda, At65537) {
   for (auto [window, sink] : std::vector<std::pair<int64_t, int64_t>>{{32, 32}, {64, 64}}) {
     const ASize s{1, 65537, 2, 64, 64, window, sink};
     SCOPED_TRACE(describe(s));
-    const OpCase c = a_case(s);
-    Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
-    Tensors w = random_cotangents(c.op(clone_leaves(in)));
-    expect_runs_close(run_on_device(c.op, in, w),
-                      run_on_device(c.op, to_device(in, at::Device(at::kCPU), at::kDouble), w), 1e-2);
+    expect_cuda_bf16_close_to_cpu_float64(a_case(s), 1e-2);
   }
 }
 

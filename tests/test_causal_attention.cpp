@@ -280,10 +280,7 @@ TEST(CausalAttentionCuda, SlidingWindowsAt65537) {
       const OpCase c = causal_case(s);
       expect_cuda_matches_cpu(c, 5e-5, 1e-4);
       TensorCores tc(true);
-      Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
-      Tensors w = random_cotangents(c.op(clone_leaves(in)));
-      expect_runs_close(run_on_device(c.op, in, w),
-                        run_on_device(c.op, to_device(in, at::Device(at::kCPU), at::kDouble), w), 1e-2);
+      expect_cuda_bf16_close_to_cpu_float64(c, 1e-2);
     }
 }
 
