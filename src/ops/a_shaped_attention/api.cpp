@@ -49,12 +49,12 @@ CausalAttentionParams window_params(const Dims& d, int64_t window, double scale,
 }
 
 ASinkParams sink_params(const Dims& d, int64_t window, int64_t sink, double scale, const at::Tensor& q,
-                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
+                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse) {
   ASinkParams p;
   p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
   p.window = window, p.sink = sink, p.scale = scale;
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
-  p.out = out.data_ptr(), p.lse = lse.data_ptr<float>();
+  p.lse = lse.data_ptr<float>();
   return p;
 }
 
@@ -107,7 +107,7 @@ struct AShapedFunction : public torch::autograd::Function<AShapedFunction> {
       at::Tensor delta = at::empty({causal_attention_cuda_workspace(gp.fwd)}, q.options().dtype(at::kFloat));
       gp.workspace = delta.data_ptr();
       ASinkGradParams sg;
-      sg.fwd = sink_params(d, window, sink, scale, q, k, v, out, lse);
+      sg.fwd = sink_params(d, window, sink, scale, q, k, v, lse);
       sg.dout = dout.data_ptr();
       sg.delta = delta.data_ptr<float>();
       sg.dq = dq.data_ptr(), sg.dk = dk.data_ptr(), sg.dv = dv.data_ptr();

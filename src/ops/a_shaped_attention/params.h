@@ -24,12 +24,11 @@ struct ASinkParams {
   const void* q = nullptr;  // (B, L, H, D) bfloat16, 16-byte aligned
   const void* k = nullptr;  // (B, L, H, D)
   const void* v = nullptr;  // (B, L, H, Dv)
-  const void* out = nullptr;   // (B, L, H, Dv) the union's output (unused by the kernels; Δ has it)
-  const float* lse = nullptr;  // (B, H, L) the union's lse (natural log)
+  const float* lse = nullptr;  // (B, H, L) the union's lse (natural log; its out enters through Δ)
 };
 
 struct ASinkGradParams {
-  ASinkParams fwd;               // q, k, v, and the union's out and lse
+  ASinkParams fwd;               // q, k, v, and the union's lse
   const void* dout = nullptr;    // (B, L, H, Dv)
   const float* delta = nullptr;  // (B, H, L) Δ_i = dO_i · O_i - dlse_i (the causal backward's workspace)
   void* dq = nullptr;            // (B, L, H, D): in, the window part's gradient; out, plus the sink part's
