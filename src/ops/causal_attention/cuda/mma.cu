@@ -771,13 +771,9 @@ void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
     auto launch = [&](auto mode) {
       constexpr int kM = decltype(mode)::value;
       constexpr size_t smem = FwdCfg<DB, kM>::smem;
-      if (p.sink > 0) {
-        allow_smem(forward_kernel<DB, kM, true>, smem, "causal_attention_forward_cuda");
-        forward_kernel<DB, kM, true><<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
-      } else {
-        allow_smem(forward_kernel<DB, kM, false>, smem, "causal_attention_forward_cuda");
-        forward_kernel<DB, kM, false><<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
-      }
+      auto kernel = p.sink > 0 ? forward_kernel<DB, kM, true> : forward_kernel<DB, kM, false>;
+      allow_smem(kernel, smem, "causal_attention_forward_cuda");
+      kernel<<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
     };
     if constexpr (DB == 64)
       if (tma && (tma_mask() & 1)) return launch(std::integral_constant<int, kTma>{});
