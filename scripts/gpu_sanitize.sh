@@ -28,6 +28,7 @@ SMALL+=':PrefixDirectionCuda.ZeroSumGivesZero:PatternCuda.TopKPrefixEqualCpu'
 SMALL+=':SsmStepCuda.Conv1dStepMatchesCpuFloat32AndBf16:LshBandCuda.AttentionMatchesCpuFloat32AndBf16'
 SMALL+=':JoinByLseCuda.MatchesCpu:PatternCuda.LshBucketsShapesEqualCpu:TileBlocksCuda.SmallInstances'
 SMALL+=':AShapedAttentionCuda.SmallInstance'
+SMALL+=':HsaAttentionCuda.SmallInstance:Hsa.CudaChunkLayoutTopKChunksAndListsEqualCpu'
 $CS --tool memcheck --leak-check no "$T" --gtest_filter="$OPS"
 $CS --tool memcheck --leak-check no "$T" --gtest_filter="$MODELS"
 $CS --tool racecheck "$T" --gtest_filter="$SMALL"

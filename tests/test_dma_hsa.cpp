@@ -292,7 +292,8 @@ TEST(Hsa, CudaChunkLayoutTopKChunksAndListsEqualCpu) {
         torch::manual_seed(400 + L + C);
         const std::string at_ =
             "L=" + std::to_string(L) + " C=" + std::to_string(C) + " packed=" + std::to_string(packed);
-        const int64_t B = 2, D = 6, H = 3;
+        const int64_t B = 2, H = 3;
+        const int64_t D = packed ? 6 : 16;  // (16: the kernels' 16-byte row loads; 6: element by element)
         const at::Tensor seq = packed ? hax::testing::random_packing(B, L, 0.03) : at::Tensor();
         const auto lay = hax::patterns::chunk_layout(B, L, C, seq);
         // On seq_idx's device, or on the one asked for.

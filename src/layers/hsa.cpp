@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "layers/project.h"
 #include "ops/attention/attention.h"
+#include "ops/hsa_attention/hsa_attention.h"
 #include "ops/rmsnorm/rmsnorm.h"
 
 namespace hax {
@@ -113,6 +114,9 @@ at::Tensor HierarchicalSparseAttention::forward(const at::Tensor& x, const at::T
   const int64_t B = x.size(0), L = x.size(1), H = q.size(2);
   const patterns::ChunkLayout lay = patterns::chunk_layout(B, L, chunk_, seq_idx, x.device());
   auto [chunks, w] = select(project(ret_q, x), encoder->forward(x, lay.start, chunk_), lay.lo, lay.hi);
+  // CUDA in bfloat16 (or autocast): per-chunk tiles without lists (ops/hsa_attention).
+  if (!lists_out && ops::hsa_attention_native(q, v, chunk_))
+    return ops::hsa_attention(q, k, v, chunks, lay.start, w, chunk_, scale);
   const at::Tensor idx = patterns::chunk_lists(chunks, lay.start, chunk_, H);  // (B, H, L, k, C)
   const at::Tensor seg_w = w.unsqueeze(1).expand({B, H, L, topk_}).contiguous();
   if (lists_out) *lists_out = idx;
