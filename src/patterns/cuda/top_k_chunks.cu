@@ -79,34 +79,44 @@ __global__ void top_k_chunks_kernel(TopKChunksParams p) {
 constexpr int kWarpMaxK = 16;  // the largest k of the warp kernel (each lane keeps k in registers / local memory)
 constexpr int kWarpsPerBlock = 8;
 
-// Score of one chunk row against the query (float32 in shared memory): fused multiply-adds in
-// order of d from 0, as the one-thread kernel above.
-template <class T>
-__device__ __forceinline__ float chunk_score(const float* q, const T* row, int64_t D) {
+// Score of one chunk row against the query: fused multiply-adds in order of d from 0, as the
+// one-thread kernel above. The query is qr (registers) when its length DC is a compile-time
+// constant (16, 32, 64 or 128: the loops unroll), else qs (float32 in shared memory).
+template <class T, int DC>
+__device__ __forceinline__ float chunk_score(const float* qs, const float (&qr)[DC > 0 ? DC : 1], const T* row,
+                                             int64_t D) {
+  auto q = [&](int64_t d) {
+    if constexpr (DC > 0) return qr[d];
+    else return qs[d];
+  };
+  const int64_t n = DC > 0 ? DC : D;
   float s = 0.f;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (D % 8 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
-      for (int64_t d = 0; d < D; d += 8) {
+    if (n % 8 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
+#pragma unroll
+      for (int64_t d = 0; d < n; d += 8) {
         const uint4 raw = *reinterpret_cast<const uint4*>(row + d);
         const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) s = __fmaf_rn(q[d + j], __bfloat162float(e[j]), s);
+        for (int j = 0; j < 8; ++j) s = __fmaf_rn(q(d + j), __bfloat162float(e[j]), s);
       }
       return s;
     }
   } else {
-    if (D % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
-      for (int64_t d = 0; d < D; d += 4) {
+    if (n % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
+#pragma unroll
+      for (int64_t d = 0; d < n; d += 4) {
         const float4 v = *reinterpret_cast<const float4*>(row + d);
-        s = __fmaf_rn(q[d], v.x, s);
-        s = __fmaf_rn(q[d + 1], v.y, s);
-        s = __fmaf_rn(q[d + 2], v.z, s);
-        s = __fmaf_rn(q[d + 3], v.w, s);
+        s = __fmaf_rn(q(d), v.x, s);
+        s = __fmaf_rn(q(d + 1), v.y, s);
+        s = __fmaf_rn(q(d + 2), v.z, s);
+        s = __fmaf_rn(q(d + 3), v.w, s);
       }
       return s;
     }
   }
-  for (int64_t d = 0; d < D; ++d) s = __fmaf_rn(q[d], to_f32(row[d]), s);
+#pragma unroll
+  for (int64_t d = 0; d < n; ++d) s = __fmaf_rn(q(d), to_f32(row[d]), s);
   return s;
 }
 
@@ -128,7 +138,8 @@ __host__ __device__ constexpr int64_t stage_ld(int64_t D) {  // entries of T bet
 
 // One warp per query, kWarpsPerBlock consecutive queries a block; dynamic shared memory:
 // kWarpsPerBlock x D float32 (the queries), then the staged landmark rows (kStageRows x stage_ld).
-template <class T>
+// DC: the query length D when it is 16, 32, 64 or 128 (the query then sits in registers), else 0.
+template <class T, int DC>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) top_k_chunks_warp_kernel(TopKChunksParams p) {
   extern __shared__ float sq_all[];
   __shared__ int64_t block_lo, block_hi, block_b;
@@ -141,8 +152,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) top_k_chunks_warp_kernel(
   const T* q = (const T*)p.q + (active ? e : 0) * D;
   for (int64_t d = lane; d < D; d += 32) sq[d] = active ? to_f32(q[d]) : 0.f;
   const int64_t b = (active ? e : e0) / p.L, lo = active ? p.lo[e] : 0, hi = active ? p.hi[e] : 0;
+  float qr[DC > 0 ? DC : 1];
   if (threadIdx.x == 0) block_lo = INT64_MAX, block_hi = INT64_MIN, block_b = e0 / p.L;
   __syncthreads();
+  if constexpr (DC > 0) {
+#pragma unroll
+    for (int d = 0; d < DC; ++d) qr[d] = sq[d];
+  }
   // The block stages the chunks its queries may retrieve; a query of another row than the block's
   // first (a row boundary inside the block) reads its own row's landmarks from global memory.
   const bool staged = b == block_b;
@@ -168,7 +184,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) top_k_chunks_warp_kernel(
     idx[at] = (int)c;
   };
   if (!staged)
-    for (int64_t c = lo + lane; c < hi; c += 32) keep(chunk_score<T>(sq, lm + c * D, D), c);
+    for (int64_t c = lo + lane; c < hi; c += 32) keep(chunk_score<T, DC>(sq, qr, lm + c * D, D), c);
   const int64_t blo = block_lo, bhi = block_hi;
   const T* blm = (const T*)p.landmarks + block_b * p.NC * D;
   const bool vec = (D * (int64_t)sizeof(T)) % 16 == 0 && reinterpret_cast<uintptr_t>(blm) % 16 == 0;
@@ -187,7 +203,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) top_k_chunks_warp_kernel(
     __syncthreads();
     if (!staged) continue;
     const int64_t c_lo = lo > t0 ? lo : t0, c_hi = hi < t0 + nr ? hi : t0 + nr;
-    for (int64_t c = c_lo + lane; c < c_hi; c += 32) keep(chunk_score<T>(sq, rows + (c - t0) * ld, D), c);
+    for (int64_t c = c_lo + lane; c < c_hi; c += 32) keep(chunk_score<T, DC>(sq, qr, rows + (c - t0) * ld, D), c);
   }
   if (!active) return;  // (no block barrier below)
   // k rounds: the best head over the lanes goes out, its lane moves to its next.
@@ -228,7 +244,12 @@ void top_k_chunks_cuda(const TopKChunksParams& p, DType dtype, void* stream) {
     const size_t smem = sizeof(float) * kWarpsPerBlock * p.D + sizeof(scalar_t) * kStageRows * stage_ld<scalar_t>(p.D);
     if (p.k <= kWarpMaxK && smem <= 48 * 1024) {
       const int64_t blocks = (n + kWarpsPerBlock - 1) / kWarpsPerBlock;
-      top_k_chunks_warp_kernel<scalar_t><<<(unsigned)blocks, 32 * kWarpsPerBlock, smem, (cudaStream_t)stream>>>(p);
+      auto launch = [&](auto kernel) { kernel<<<(unsigned)blocks, 32 * kWarpsPerBlock, smem, (cudaStream_t)stream>>>(p); };
+      if (p.D == 16) launch(top_k_chunks_warp_kernel<scalar_t, 16>);
+      else if (p.D == 32) launch(top_k_chunks_warp_kernel<scalar_t, 32>);
+      else if (p.D == 64) launch(top_k_chunks_warp_kernel<scalar_t, 64>);
+      else if (p.D == 128) launch(top_k_chunks_warp_kernel<scalar_t, 128>);
+      else launch(top_k_chunks_warp_kernel<scalar_t, 0>);
     } else {
       top_k_chunks_kernel<scalar_t><<<dev::grid_for(n, 128), 128, 0, (cudaStream_t)stream>>>(p);
     }

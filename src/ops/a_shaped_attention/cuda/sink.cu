@@ -16,6 +16,7 @@
 #include "ops/a_shaped_attention/params.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
+#include "ops/cuda/key_tile.cuh"
 #include "ops/cuda/mma_bf16.cuh"
 
 namespace hax::ops {
@@ -24,6 +25,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using namespace cuda::mma;
+namespace key_tile = cuda::key_tile;
 
 constexpr int kRows = 64;      // queries of a tile; sink keys of a block (padded with zeros)
 constexpr int kThreads = 128;  // 4 warps, 16 query rows each
@@ -108,7 +110,6 @@ constexpr size_t backward_smem() {
          4 * kRows * sizeof(float);
 }
 
-constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 // KG: 16-key groups of the sink (1, 2 or 4). In the dK, dV products warp w takes key group
 // w % KG and column part w / KG of CS parts of DW columns (warps past KG CS idle there).
@@ -117,8 +118,8 @@ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // Dynamic shared memory: backward_smem<DB>().
 template <int DB, int KG>
 __global__ void __launch_bounds__(kThreads) sink_backward_kernel(ASinkGradParams gp, Dims dm) {
-  constexpr int S = DB + 8, SP = kRows + 8, T = kRows * S;
-  constexpr int CS = cmin(4 / KG, DB / 16), DW = DB / CS;
+  constexpr int S = DB + 8, SP = key_tile::kSP, T = kRows * S;
+  constexpr int CS = key_tile::kParts<DB, KG>, DW = DB / CS;
   const ASinkParams& p = gp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sK = reinterpret_cast<bf16*>(smem_raw);  // (64, S) sink keys (zeros past the sink)
@@ -189,14 +190,7 @@ __global__ void __launch_bounds__(kThreads) sink_backward_kernel(ASinkGradParams
           ps[nt][c] = pr;
           dp[nt][c] = pr * (dp[nt][c] - dl[r]);
         }
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int off = (r0 + g + 8 * r) * SP + nt * 8 + 2 * t;
-          *reinterpret_cast<uint32_t*>(sP + off) = pack_bf16(ps[nt][2 * r], ps[nt][2 * r + 1]);
-          *reinterpret_cast<uint32_t*>(sdS + off) = pack_bf16(dp[nt][2 * r], dp[nt][2 * r + 1]);
-        }
+      key_tile::store_p_ds(sP, sdS, ps, dp, r0, g, t);
       // dq rows += scale dS K_s: added to the staged rows, then the rows with a sink part go out.
       float acc[DB / 8][4] = {};
       warp_accumulate<DB, 8, S>(acc, dp, sK, live);
@@ -213,20 +207,10 @@ __global__ void __launch_bounds__(kThreads) sink_backward_kernel(ASinkGradParams
       store_sink_rows<DB>(dq, rs, sdQ, i0, r0, dm, dm.D);
     } else {
       // The warp's rows take no part: zeros in P and dS for the key-major products.
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int off = (r0 + g + 8 * r) * SP + nt * 8 + 2 * t;
-          *reinterpret_cast<uint32_t*>(sP + off) = 0u;
-          *reinterpret_cast<uint32_t*>(sdS + off) = 0u;
-        }
+      key_tile::store_p_ds<true>(sP, sdS, ps, ps, r0, g, t);
     }
     __syncthreads();
-    if (cp < CS) {
-      warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accV, sP, 16 * kg, sdO + cp * DW);
-      warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accK, sdS, 16 * kg, sQ + cp * DW);
-    }
+    key_tile::accumulate<DB, KG, S>(accK, accV, sP, sdS, sQ, sdO, warp);
     __syncthreads();  // the next iteration's copies refill this stage; sP and sdS are rewritten
   }
   cuda::cp_async_wait<0>();  // (a chunk without work still issued the sink copies)

@@ -20,6 +20,7 @@
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
+#include "ops/cuda/key_tile.cuh"
 #include "ops/cuda/mma_bf16.cuh"
 #include "ops/hsa_attention/params.h"
 
@@ -29,6 +30,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using namespace cuda::mma;
+namespace key_tile = cuda::key_tile;
 
 constexpr int kRows = (int)kHsaTilePairs;  // pairs of a tile; keys of a chunk (padded with zeros)
 constexpr int kThreads = 128;               // 4 warps, 16 pairs each
@@ -233,7 +235,6 @@ constexpr size_t backward_smem() {
          (size_t)2 * kRows * (3 * sizeof(float) + sizeof(int32_t));
 }
 
-constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 // KG: 16-key groups of the chunk (1, 2 or 4). In the dK, dV products warp w takes key group w % KG
 // and column part w / KG of CS parts of DW columns (warps past KG CS idle there).
@@ -241,8 +242,8 @@ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // the next tile's query and dout rows, lse, Δ and w (cp.async) while it computes on the current one.
 template <int DB, int KG>
 __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1) backward_kernel(HsaGradParams gp, HsaPlan plan, Dims dm) {
-  constexpr int S = DB + 8, SP = kRows + 8, T = kRows * S;
-  constexpr int CS = cmin(4 / KG, DB / 16), DW = DB / CS;
+  constexpr int S = DB + 8, SP = key_tile::kSP, T = kRows * S;
+  constexpr int CS = key_tile::kParts<DB, KG>, DW = DB / CS;
   using Copy = cuda::TileCopy<kRows, DB, kThreads>;
   const HsaParams& p = gp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -326,14 +327,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1) backward_kernel(Hs
           ps[nt][c] = wt[r] * pr;                  // w P (for dV)
           dp[nt][c] = wt[r] * pr * (dp[nt][c] - dl[r]);  // dS
         }
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int off = (r0 + g + 8 * r) * SP + nt * 8 + 2 * t;
-          *reinterpret_cast<uint32_t*>(sP + off) = pack_bf16(ps[nt][2 * r], ps[nt][2 * r + 1]);
-          *reinterpret_cast<uint32_t*>(sdS + off) = pack_bf16(dp[nt][2 * r], dp[nt][2 * r + 1]);
-        }
+      key_tile::store_p_ds(sP, sdS, ps, dp, r0, g, t);
       // dq_p = scale dS K, stored per pair (P, H, D), two columns a store.
       float acc[DB / 8][4] = {};
       warp_accumulate<DB, 8, S>(acc, dp, sK, live);
@@ -348,20 +342,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1) backward_kernel(Hs
       }
     } else {
       // No pairs in the warp's rows: zeros in P and dS for the key-major products.
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int off = (r0 + g + 8 * r) * SP + nt * 8 + 2 * t;
-          *reinterpret_cast<uint32_t*>(sP + off) = 0u;
-          *reinterpret_cast<uint32_t*>(sdS + off) = 0u;
-        }
+      const float none[8][4] = {};
+      key_tile::store_p_ds<true>(sP, sdS, none, none, r0, g, t);
     }
     __syncthreads();
-    if (cp < CS) {
-      warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accV, sP, 16 * kg, sdO + cp * DW);
-      warp_accumulate_tn<DW, 4, cuda::Padded<SP>, cuda::Padded<S>>(accK, sdS, 16 * kg, sQ + cp * DW);
-    }
+    key_tile::accumulate<DB, KG, S>(accK, accV, sP, sdS, sQ, sdO, warp);
     __syncthreads();  // the next iteration's copies refill this stage; sP and sdS are rewritten
   }
   cuda::cp_async_wait<0>();  // (the chunk's key copies of a block without tiles)
