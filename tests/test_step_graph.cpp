@@ -178,6 +178,44 @@ void expect_graph_follows_eager(const ModelConfig& c, const StepSettings& settin
   }
 }
 
+// With a zero learning rate the parameters stay put, so every replay's gradients must equal an
+// eager step's on the same batch, parameter by parameter: metrics (loss, ranking loss, gradient
+// norm) within `tol` relative, gradients within gtol (floor + each parameter's largest). The model
+// starts from manual_seed(seed); step s uses ForwardContext seed step_seed + s.
+void expect_replay_gradients_equal_eager(const ModelConfig& c, const StepSettings& settings, const Task& task,
+                                         uint64_t seed, uint64_t step_seed, double tol, double gtol, double floor) {
+  torch::manual_seed(seed);
+  LanguageModel m(c);
+  m.to(at::Device(at::kCUDA, 0));
+  m.train();
+  auto params = m.state_tensors();
+  AdamWOptions o;
+  o.weight_decay = 0;
+  AdamW opt(params, o);
+  StepGraph graph(m, opt, params, settings);
+  for (int s = 0; s < 5; ++s) {
+    const Batch b = make_batch(samples_of(task, 8 * s, 8), true, 60);
+    const at::Tensor mg = graph.run(b, step_seed + s, 0.0, 0);
+    ASSERT_TRUE(mg.defined()) << graph.disabled_reason();
+    if (s < 2) continue;  // eager warm-up steps
+    std::map<std::string, at::Tensor> replayed;
+    for (auto& [name, p] : params) replayed[name] = p.grad().defined() ? p.grad().clone() : at::zeros_like(p);
+    ForwardContext ctx;
+    ctx.seed = step_seed + s;
+    opt.zero_grad();
+    const at::Tensor me = device_train_step(m, params, b, ctx, settings, [](const at::Tensor&) {}).cpu();
+    for (int k = 0; k < 3; ++k)  // loss, ranking loss, gradient norm
+      EXPECT_NEAR(mg[k].item<double>(), me[k].item<double>(), tol * (1 + std::abs(me[k].item<double>())))
+          << "step " << s << " metric " << k;
+    for (auto& [name, p] : params) {
+      const at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
+      const double bound = gtol * (floor + g.abs().max().item<double>());
+      EXPECT_LE((replayed.at(name) - g).abs().max().item<double>(), bound) << "step " << s << " " << name;
+    }
+  }
+  EXPECT_FALSE(graph.disabled()) << graph.disabled_reason();
+}
+
 }  // namespace
 
 TEST(CudaStepGraph, ReplaysFollowEagerStepsForEveryVariant) {
@@ -228,38 +266,7 @@ TEST(CudaStepGraph, Bf16ReplayGradientsOnTheHsaKernelsEqualEagerGradients) {
   c.qk_dim = 8;
   const auto o = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
   ASSERT_TRUE(ops::hsa_attention_native(at::zeros({1, 1, 1, c.qk_dim}, o), at::zeros({1, 1, 1, 32}, o), c.hsa_chunk));
-  torch::manual_seed(24);
-  LanguageModel m(c);
-  m.to(at::Device(at::kCUDA, 0));
-  m.train();
-  auto params = m.state_tensors();
-  AdamWOptions ao;
-  ao.weight_decay = 0;
-  AdamW opt(params, ao);
-  const StepSettings settings{"bf16", 0.1, 0.0};
-  StepGraph graph(m, opt, params, settings);
-  for (int s = 0; s < 5; ++s) {
-    const Batch b = make_batch(samples_of(*task, 8 * s, 8), true, 60);
-    const at::Tensor mg = graph.run(b, 70 + s, 0.0, 0);
-    ASSERT_TRUE(mg.defined()) << graph.disabled_reason();
-    if (s < 2) continue;  // eager warm-up steps
-    std::map<std::string, at::Tensor> replayed;
-    for (auto& [name, p] : params) replayed[name] = p.grad().defined() ? p.grad().clone() : at::zeros_like(p);
-    ForwardContext ctx;
-    ctx.seed = 70 + s;
-    opt.zero_grad();
-    const at::Tensor me = device_train_step(m, params, b, ctx, settings, [](const at::Tensor&) {}).cpu();
-    for (int k = 0; k < 3; ++k)  // loss, ranking loss, gradient norm
-      EXPECT_NEAR(mg[k].item<double>(), me[k].item<double>(), 2e-2 * (1 + std::abs(me[k].item<double>())))
-          << "step " << s << " metric " << k;
-    for (auto& [name, p] : params) {
-      const at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
-      const double scale = 2e-2 * (1e-3 + g.abs().max().item<double>());
-      EXPECT_LE((replayed.at(name) - g).abs().max().item<double>(), scale) << "step " << s << " " << name;
-    }
-  }
-  EXPECT_FALSE(graph.disabled()) << graph.disabled_reason();
-  EXPECT_EQ(graph.replays(), 3);
+  expect_replay_gradients_equal_eager(c, StepSettings{"bf16", 0.1, 0.0}, *task, 24, 70, 2e-2, 2e-2, 1e-3);
 }
 
 // Sharper than the metrics above: with a zero learning rate the parameters stay put, so every
@@ -268,43 +275,14 @@ TEST(CudaStepGraph, ReplayGradientsEqualEagerGradients) {
   HAX_REQUIRE_CUDA();
   if (!fused_optimizer_built()) GTEST_SKIP() << "this LibTorch has no fused AdamW (CUDA graphs need it)";
   auto task = small_task();
-  const at::Device gpu(at::kCUDA, 0);
   const char* only = std::getenv("HAX_TEST_VARIANT");  // e.g. mamba+lsh: one variant (sanitizer runs)
   for (const auto& v : all_variants()) {
     if (only && name_of(v) != only) continue;
     SCOPED_TRACE(name_of(v));
     ModelConfig c = hybrid_config(v.first, v.second);
     c.vocab_size = task->min_vocab();
-    torch::manual_seed(23);
-    LanguageModel m(c);
-    m.to(gpu);
-    m.train();
-    auto params = m.state_tensors();
-    AdamWOptions o;
-    o.weight_decay = 0;
-    AdamW opt(params, o);
-    const StepSettings settings{"fp32", 0.1, 0.0};  // no clipping: the gradients are compared as computed
-    StepGraph graph(m, opt, params, settings);
-    for (int s = 0; s < 5; ++s) {
-      const Batch b = make_batch(samples_of(*task, 8 * s, 8), true, 60);
-      const at::Tensor mg = graph.run(b, 90 + s, 0.0, 0);
-      ASSERT_TRUE(mg.defined()) << graph.disabled_reason();
-      if (s < 2) continue;  // eager warm-up steps
-      std::map<std::string, at::Tensor> replayed;
-      for (auto& [name, p] : params) replayed[name] = p.grad().defined() ? p.grad().clone() : at::zeros_like(p);
-      ForwardContext ctx;
-      ctx.seed = 90 + s;
-      opt.zero_grad();
-      const at::Tensor me = device_train_step(m, params, b, ctx, settings, [](const at::Tensor&) {}).cpu();
-      for (int k = 0; k < 3; ++k)  // loss, ranking loss, gradient norm
-        EXPECT_NEAR(mg[k].item<double>(), me[k].item<double>(), 1e-5 * (1 + std::abs(me[k].item<double>())))
-            << "step " << s << " metric " << k;
-      for (auto& [name, p] : params) {
-        const at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
-        const double scale = 1e-4 * (1 + g.abs().max().item<double>());
-        EXPECT_LE((replayed.at(name) - g).abs().max().item<double>(), scale) << "step " << s << " " << name;
-      }
-    }
+    // (no clipping: the gradients are compared as computed)
+    expect_replay_gradients_equal_eager(c, StepSettings{"fp32", 0.1, 0.0}, *task, 23, 90, 1e-5, 1e-4, 1.0);
   }
 }
 
