@@ -66,6 +66,21 @@ at::Tensor aligned_contiguous(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone(at::MemoryFormat::Contiguous);
 }
 
+// Each slot's chunk (clamped into [0, NC)), its chunk's first key and whether the slot is valid
+// (0 <= chunk < NC and start >= 0), all (B, L, S) int64 / bool. Needs NC >= 1.
+struct Slots {
+  at::Tensor chunk, first, valid;
+};
+Slots slots_of(const at::Tensor& chunks, const at::Tensor& start) {
+  const int64_t B = chunks.size(0), L = chunks.size(1), S = chunks.size(2), NC = start.size(1);
+  const at::Tensor c = chunks.to(at::kLong);
+  Slots sl;
+  sl.chunk = c.clamp(0, NC - 1);
+  sl.first = start.to(at::kLong).gather(1, sl.chunk.view({B, L * S})).view({B, L, S});
+  sl.valid = (c >= 0) & (c < NC) & (sl.first >= 0);
+  return sl;
+}
+
 // The pair plan (params.h, HsaPlan) on the device, with LibTorch ops and no host synchronization.
 struct PlanTensors {
   at::Tensor order, pair_key, first, count, tile_end, group_end, slot_end;
@@ -91,12 +106,9 @@ PlanTensors build_plan(const at::Tensor& chunks, const at::Tensor& start) {
   if (NC == 0) {
     key = at::zeros({pl.P}, i64);  // (U = 0: every pair invalid)
   } else {
-    const at::Tensor c = chunks.to(at::kLong);
-    const at::Tensor cc = c.clamp(0, NC - 1);
-    const at::Tensor st = start.to(at::kLong).gather(1, cc.view({B, L * S})).view({B, L, S});
-    const at::Tensor valid = (c >= 0) & (c < NC) & (st >= 0);
+    const Slots sl = slots_of(chunks, start);
     const at::Tensor row = at::arange(B, i64).view({B, 1, 1}) * NC;
-    key = at::where(valid, row + cc, at::full_like(cc, pl.U)).view({pl.P});
+    key = at::where(sl.valid, row + sl.chunk, at::full_like(sl.chunk, pl.U)).view({pl.P});
   }
   auto sorted = at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const at::Tensor& skey = std::get<0>(sorted);
@@ -212,11 +224,10 @@ at::Tensor hsa_lists(const at::Tensor& chunks, const at::Tensor& start, int64_t 
   const int64_t B = chunks.size(0), L = chunks.size(1), S = chunks.size(2), NC = start.size(1);
   const auto o = chunks.options().dtype(at::kLong);
   if (NC == 0 || S == 0) return at::full({B, H, L, S, chunk}, -1, chunks.options().dtype(at::kInt));
-  const at::Tensor c = chunks.to(at::kLong), cc = c.clamp(0, NC - 1);
-  const at::Tensor st = start.to(at::kLong).gather(1, cc.view({B, L * S})).view({B, L, S, 1});
-  const at::Tensor valid = ((c >= 0) & (c < NC)).unsqueeze(-1) & (st >= 0);
-  const at::Tensor keys = st + at::arange(chunk, o).view({1, 1, 1, chunk});  // (B, L, S, C)
-  const at::Tensor idx = at::where(valid & (keys < L), keys, at::full_like(keys, -1)).to(at::kInt);
+  const Slots sl = slots_of(chunks, start);
+  const at::Tensor keys = sl.first.unsqueeze(-1) + at::arange(chunk, o).view({1, 1, 1, chunk});  // (B, L, S, C)
+  const at::Tensor valid = sl.valid.unsqueeze(-1) & (keys < L);
+  const at::Tensor idx = at::where(valid, keys, at::full_like(keys, -1)).to(at::kInt);
   return idx.unsqueeze(1).expand({B, H, L, S, chunk}).contiguous();
 }
 
