@@ -72,6 +72,11 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 
 at::Tensor new_output_like(const at::Tensor& t) { return new_output(t.sizes(), t.options()); }
 
+at::Tensor aligned_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone(at::MemoryFormat::Contiguous);
+}
+
 bool cuda_autocast_enabled() {
 #if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 4 || TORCH_VERSION_MAJOR > 2
   return at::autocast::is_autocast_enabled(at::kCUDA);

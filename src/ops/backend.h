@@ -29,6 +29,9 @@ void* cuda_stream(const at::Tensor& t);
 // at::empty, filled with NaN (floating) or INT_MIN (integer) while poisoning is on (tests).
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 at::Tensor new_output_like(const at::Tensor& t);
+// A contiguous copy of t whose data is 16-byte aligned (kernels with cp.async or 16-byte loads
+// and stores need it): t itself when it already is.
+at::Tensor aligned_contiguous(const at::Tensor& t);
 void set_poison_outputs(bool on);
 bool poison_outputs();
 

@@ -31,12 +31,6 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return d;
 }
 
-// A contiguous copy whose data is 16-byte aligned (cp.async and 16-byte stores need it).
-at::Tensor aligned_contiguous(const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone(at::MemoryFormat::Contiguous);
-}
-
 CausalAttentionParams window_params(const Dims& d, int64_t window, double scale, const at::Tensor& q,
                                     const at::Tensor& k, const at::Tensor& v) {
   CausalAttentionParams p;

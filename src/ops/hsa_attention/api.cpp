@@ -60,10 +60,12 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return d;
 }
 
-// A contiguous copy whose data is 16-byte aligned (cp.async and 16-byte stores need it).
-at::Tensor aligned_contiguous(const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone(at::MemoryFormat::Contiguous);
+// The sizes of inputs that passed check_inputs.
+Dims dims_of(const at::Tensor& q, const at::Tensor& v, const at::Tensor& chunks, const at::Tensor& start) {
+  Dims d;
+  d.qkv = {q.size(0), q.size(1), q.size(2), q.size(3), v.size(3)};
+  d.S = chunks.size(2), d.NC = start.size(1);
+  return d;
 }
 
 // Each slot's chunk (clamped into [0, NC)), its chunk's first key and whether the slot is valid
@@ -142,12 +144,13 @@ HsaParams params_of(const Dims& d, int64_t chunk, double scale, const at::Tensor
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The CUDA fast path (bfloat16 q, k, v; any floating w, used in float32).
+// The CUDA fast path (bfloat16 q, k, v; any floating w, used in float32). Its inputs passed
+// check_inputs in hsa_attention.
 struct HsaFunction : public torch::autograd::Function<HsaFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, at::Tensor w0,
                                at::Tensor chunks0, at::Tensor start0, int64_t chunk, double scale) {
     ctx->set_materialize_grads(false);
-    const Dims d = check_inputs(q0, k0, v0, chunks0, start0, w0, chunk, scale);
+    const Dims d = dims_of(q0, v0, chunks0, start0);
     const at::Tensor q = aligned_contiguous(q0), k = aligned_contiguous(k0), v = aligned_contiguous(v0);
     const at::Tensor w = w0.to(at::kFloat).contiguous(), chunks = chunks0.contiguous(), start = start0.contiguous();
     const PlanTensors pl = build_plan(chunks, start);
@@ -175,9 +178,7 @@ struct HsaFunction : public torch::autograd::Function<HsaFunction> {
     const int64_t chunk = ctx->saved_data["chunk"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto w_dtype = (at::ScalarType)ctx->saved_data["w_dtype"].toInt();
-    Dims d;
-    d.qkv = {q.size(0), q.size(1), q.size(2), q.size(3), v.size(3)};
-    d.S = chunks.size(2), d.NC = start.size(1);
+    const Dims d = dims_of(q, v, chunks, start);
     pl.P = d.qkv.B * d.qkv.L * d.S, pl.U = d.qkv.B * d.NC;
     const at::Tensor dout = grads[0].defined() ? aligned_contiguous(grads[0].to(q.scalar_type()))
                                                : at::zeros({d.qkv.B, d.qkv.L, d.qkv.H, d.qkv.Dv}, q.options());
