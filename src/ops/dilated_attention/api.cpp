@@ -1,0 +1,138 @@
+// Binding layer of dilated attention (D, SW+D): tensor checks, the CUDA fast path (the causal
+// kernels over the window and, as a band, over the compacted dilated keys, joined by lse) and the
+// lists path. dilated_attention.h has the definition and the band's formulas.
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/attention/attention.h"
+#include "ops/backend.h"
+#include "ops/causal_attention/causal_attention.h"
+#include "ops/check.h"
+#include "ops/dilated_attention/dilated_attention.h"
+
+namespace hax::ops {
+namespace {
+
+constexpr const char* kOp = "dilated_attention";
+
+QkvDims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t keys, int64_t stride,
+                     int64_t window, double scale) {
+  const QkvDims d = check_qkv(kOp, q, k, v);
+  HAX_CHECK(keys >= 1, "{}: keys {} must be >= 1 (the most recent dilated keys each query sees)", kOp, keys);
+  HAX_CHECK(stride >= 1, "{}: stride {} must be >= 1 (the dilation r: keys j with j mod r = r - 1)", kOp, stride);
+  HAX_CHECK(window >= 0, "{}: window {} must be >= 0 (the sliding window beside the dilated keys; 0 = none)", kOp,
+            window);
+  HAX_CHECK(scale > 0 && std::isfinite(scale), "{}: scale {} must be positive and finite (e.g. 1/sqrt(D))", kOp,
+            scale);
+  return d;
+}
+
+// Checks the sizes and clamps keys, stride and window to L + 1, which changes no set (more than L
+// keys or a window past L is all keys; a stride past L has no dilated key) and keeps the bounds'
+// products in range.
+void clamp_sizes(int64_t L, int64_t& keys, int64_t& stride, int64_t& window) {
+  HAX_CHECK(keys >= 1 && stride >= 1 && window >= 0, "{}: keys {} and stride {} must be >= 1 and window {} >= 0",
+            kOp, keys, stride, window);
+  HAX_CHECK(L >= 0 && L < (int64_t(1) << 30), "{}: L = {} must be in [0, 2^30)", kOp, L);
+  keys = std::min(keys, L + 1), stride = std::min(stride, L + 1), window = std::min(window, L + 1);
+}
+
+// The per-query bounds of the dilated part outside the window, over compacted key indices m
+// (row m r + r - 1): [first, last], empty when first > last. i is a (L) int64 arange.
+std::pair<at::Tensor, at::Tensor> dilated_bounds(const at::Tensor& i, int64_t keys, int64_t stride, int64_t window) {
+  const at::Tensor c = at::floor_divide(i + 1, stride);                                  // c(i)
+  const at::Tensor cw = at::floor_divide(at::clamp_min(i - window + 1, 0), stride);       // c(i - window)
+  return {at::clamp_min(c - keys, 0), cw - 1};
+}
+
+// Whether some query sees a dilated key outside its window (otherwise the window alone is the set).
+bool dilated_part_nonempty(int64_t L, int64_t keys, int64_t stride, int64_t window) {
+  // Key m = 0 is the first seen, by queries [r + window - 1, (keys + 1) r - 2].
+  return stride + window - 1 <= std::min(L - 1, (keys + 1) * stride - 2);
+}
+
+}  // namespace
+
+bool dilated_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (!q.defined() || !k.defined() || !v.defined() || !q.is_cuda() || q.dim() != 4 || v.dim() != 4) return false;
+  const bool bf16 = q.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16;
+  if (!bf16 && !(cuda_autocast_enabled() && at::isFloatingType(q.scalar_type()))) return false;
+  if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) return false;
+  return causal_attention_tensor_cores() && q.size(3) <= kCausalAttentionCudaMaxDim &&
+         v.size(3) <= kCausalAttentionCudaMaxDim && q.size(1) >= kDilatedTilesMinLength &&
+         q.size(1) < (int64_t(1) << 30);
+}
+
+at::Tensor dilated_lists(int64_t B, int64_t H, int64_t L, int64_t keys, int64_t stride, int64_t window,
+                         const at::Device& device) {
+  clamp_sizes(L, keys, stride, window);
+  const int64_t K = std::max<int64_t>(1, std::min(L, keys + window));
+  const auto o = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor i = at::arange(L, o).view({L, 1}), c = at::arange(K, o).view({1, K});
+  auto [first, last] = dilated_bounds(i, keys, stride, window);
+  const at::Tensor nd = at::clamp_min(last - first + 1, 0);                               // dilated keys
+  const at::Tensor lo = window > 0 ? at::clamp_min(i - window + 1, 0) : i + 1, nw = i - lo + 1;  // window [lo, i]
+  const at::Tensor idx = at::where(c < nd, (first + c) * stride + stride - 1,
+                                   at::where(c < nd + nw, lo + c - nd, at::full_like(c, -1)));
+  return idx.to(at::kInt).view({1, 1, L, K}).expand({B, H, L, K}).contiguous();
+}
+
+at::Tensor dilated_band(int64_t B, int64_t H, int64_t L, int64_t keys, int64_t stride, int64_t window,
+                        const at::Device& device) {
+  clamp_sizes(L, keys, stride, window);
+  const auto o = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor i = at::arange(L, o);
+  auto [first, last] = dilated_bounds(i, keys, stride, window);
+  // Compacted key m (any m: the padding rows m >= L / r get first query L, so nobody sees them).
+  const at::Tensor fq = at::clamp_max((i + 1) * stride + window - 1, L);
+  const at::Tensor lq = at::clamp_max((i + keys + 1) * stride - 2, L - 1);
+  return at::stack({first, last, fq, lq}).to(at::kInt).view({4, 1, 1, L}).expand({4, B, H, L}).contiguous();
+}
+
+namespace {
+
+// The dilated keys outside the window: the causal kernels over the compacted keys padded to L
+// rows, with dilated_band's visibility.
+std::tuple<at::Tensor, at::Tensor> dilated_part(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const QkvDims& d, int64_t keys, int64_t stride, int64_t window,
+                                                     double scale) {
+  // The compacted dilated keys k[:, r-1::r] (L / r rows), padded with zero rows to L: the band
+  // never lets a query see a padding row, but the tile holding the last real key loads some.
+  const int64_t Lk = d.L / stride;
+  auto compact = [&](const at::Tensor& t) {
+    return at::constant_pad_nd(t.slice(1, stride - 1, d.L, stride), {0, 0, 0, 0, 0, d.L - Lk});
+  };
+  const at::Tensor band = dilated_band(d.B, d.H, d.L, keys, stride, window, q.device());
+  return causal_attention(q, compact(k), compact(v), {}, 0, scale, band);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> dilated_attention_tiles(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, int64_t keys, int64_t stride,
+                                                           int64_t window, double scale) {
+  const QkvDims d = check_inputs(q, k, v, keys, stride, window, scale);
+  clamp_sizes(d.L, keys, stride, window);
+  if (window > 0 && !dilated_part_nonempty(d.L, keys, stride, window))
+    return causal_attention(q, k, v, {}, window, scale);  // the window covers every D(i)
+  auto [o2, lse2] = dilated_part(q, k, v, d, keys, stride, window, scale);
+  if (window == 0) return {o2, lse2};
+  auto [o1, lse1] = causal_attention(q, k, v, {}, window, scale);
+  return {join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2.unsqueeze(-1)), at::logaddexp(lse1, lse2)};
+}
+
+std::tuple<at::Tensor, at::Tensor> dilated_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     int64_t keys, int64_t stride, int64_t window, double scale) {
+  if (autocast_cast_needed({q, k, v}))
+    return dilated_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), keys, stride, window, scale);
+  const QkvDims d = check_inputs(q, k, v, keys, stride, window, scale);
+  if (dilated_attention_native(q, k, v) && q.scalar_type() == at::kBFloat16)
+    return dilated_attention_tiles(q, k, v, keys, stride, window, scale);
+  const at::Tensor idx = dilated_lists(d.B, d.H, d.L, keys, stride, window, q.device());
+  auto [out, lse] = sparse_attention(q, k, v, idx, {}, {}, {}, scale);
+  return {out, lse.squeeze(-1)};
+}
+
+}  // namespace hax::ops
