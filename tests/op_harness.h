@@ -24,6 +24,14 @@ struct OpCase {
   std::function<Tensors(const Tensors&)> reference;
 };
 
+// Attention inputs: q, k (B, L, H, D) and v (B, L, H, Dv), standard normal in `dtype`, each
+// requiring a gradient.
+inline Tensors random_qkv(int64_t B, int64_t L, int64_t H, int64_t D, int64_t Dv, at::ScalarType dtype) {
+  const auto o = at::TensorOptions().dtype(dtype);
+  return {at::randn({B, L, H, D}, o).requires_grad_(), at::randn({B, L, H, D}, o).requires_grad_(),
+          at::randn({B, L, H, Dv}, o).requires_grad_()};
+}
+
 // Max |a - b| / (atol + rtol |b|) over all elements; <= 1 passes.
 inline double rel_err(const at::Tensor& a, const at::Tensor& b, double atol, double rtol) {
   if (a.numel() == 0) return 0;

@@ -31,12 +31,7 @@ OpCase a_case(ASize s, bool out_only = false) {
   OpCase c;
   c.name = "a_shaped_attention " + describe(s) + (out_only ? " (out only)" : "");
   c.make_inputs = [s](at::ScalarType dt) {
-    auto o = at::TensorOptions().dtype(dt);
-    Tensors in;
-    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // q
-    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // k
-    in.push_back(at::randn({s.B, s.L, s.H, s.Dv}, o).requires_grad_());  // v
-    return in;
+    return random_qkv(s.B, s.L, s.H, s.D, s.Dv, dt);
   };
   const double scale = 1.0 / std::sqrt(double(s.D));
   c.op = [=](const Tensors& in) {

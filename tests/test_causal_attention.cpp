@@ -26,11 +26,7 @@ OpCase causal_case(CausalSize s) {
   OpCase c;
   c.name = "causal_attention " + describe(s);
   c.make_inputs = [s](at::ScalarType dt) {
-    auto o = at::TensorOptions().dtype(dt);
-    Tensors in;
-    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // q
-    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // k
-    in.push_back(at::randn({s.B, s.L, s.H, s.Dv}, o).requires_grad_());  // v
+    Tensors in = random_qkv(s.B, s.L, s.H, s.D, s.Dv, dt);
     in.push_back(s.packed ? random_packing(s.B, s.L, 0.05) : at::Tensor());
     return in;
   };
@@ -159,6 +155,8 @@ TEST(CausalAttention, BadInputsNameTheTensor) {
   expect_usage_error([&] { causal_attention(q, k, v, {}, -1, 0.5); }, "window -1 must be >= 0");
   expect_usage_error([&] { causal_attention(q, k, v, {}, 0, 0.0); }, "scale 0 must be positive");
   expect_usage_error([&] { causal_attention(q, k, at::Tensor(), {}, 0, 0.5); }, "v is missing");
+  expect_usage_error([&] { causal_attention(q, k, v, {}, 0, 0.5, {}, 3); }, "key_rows 3 and dkdv_splits 1 need a band");
+  expect_usage_error([&] { causal_attention(q, k, v, {}, 0, 0.5, {}, 0, 0); }, "dkdv_splits 0 in [1, 65535]");
 }
 
 // ---------------------------------------------------------------------------------------------

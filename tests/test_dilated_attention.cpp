@@ -46,12 +46,7 @@ OpCase d_case(DSize s, DFn fn = &dilated_attention, bool out_only = false) {
   OpCase c;
   c.name = "dilated_attention " + describe(s) + (out_only ? " (out only)" : "");
   c.make_inputs = [s](at::ScalarType dt) {
-    auto o = at::TensorOptions().dtype(dt);
-    Tensors in;
-    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // q
-    in.push_back(at::randn({s.B, s.L, s.H, s.D}, o).requires_grad_());   // k
-    in.push_back(at::randn({s.B, s.L, s.H, s.Dv}, o).requires_grad_());  // v
-    return in;
+    return random_qkv(s.B, s.L, s.H, s.D, s.Dv, dt);
   };
   const double scale = 1.0 / std::sqrt(double(s.D));
   c.op = [=](const Tensors& in) {
@@ -76,7 +71,10 @@ constexpr double kTensorCoreFloor = 5e-3;
 
 }  // namespace
 
-TEST(DilatedAttention, ListsPathMatchesReferenceFloat64) {
+// The lists path and the fast path's block-tile form (causal kernels over the window and the
+// compacted keys' band, joined by lse), both on the CPU in float64: the band's formulas and the
+// compaction, forward and backward.
+TEST(DilatedAttention, ListsAndTilesFormMatchReferenceFloat64) {
   torch::manual_seed(91);
   int n = 0;
   for (int64_t L : {1, 63, 97, 130})
@@ -86,20 +84,6 @@ TEST(DilatedAttention, ListsPathMatchesReferenceFloat64) {
       const DSize s{2, L, 2, D, Dv, keys, stride, window};
       SCOPED_TRACE(describe(s));
       expect_matches_reference(d_case(s), at::kDouble, 1e-11, 1e-9);
-    }
-}
-
-// The fast path's composition (causal kernels over the window and the compacted keys' band, joined
-// by lse), run on the CPU in float64: the band's formulas and the compaction, forward and backward.
-TEST(DilatedAttention, TilesFormMatchesReferenceFloat64) {
-  torch::manual_seed(92);
-  int n = 0;
-  for (int64_t L : {1, 63, 97, 130})
-    for (auto [keys, stride, window] : kShapes) {
-      const int64_t D = n % 2 ? 16 : 8, Dv = n % 3 ? D : 24;
-      ++n;
-      const DSize s{2, L, 2, D, Dv, keys, stride, window};
-      SCOPED_TRACE(describe(s));
       expect_matches_reference(d_case(s, &dilated_attention_tiles), at::kDouble, 1e-11, 1e-9);
     }
 }
@@ -199,43 +183,52 @@ TEST(DilatedAttentionCuda, TilesGradientsAreBitIdenticalAcrossRuns) {
   expect_cuda_runs_bit_identical(d_case({1, 1000, 2, 64, 64, 64, 32, 0}, &dilated_attention_tiles), at::kBFloat16);
 }
 
-// dilated_attention takes the block-tile form only without gradients and from
-// kDilatedTilesMinLength on; both of its paths give the same output there.
-TEST(DilatedAttentionCuda, RoutingTakesTilesForLongInference) {
+// dilated_attention takes the block-tile form from kDilatedTilesMinLength on, for SW+D only without
+// gradients; where it does, it equals the lists path (taken here at the same length by SW+D with a
+// gradient, and by D on a row one step too short).
+TEST(DilatedAttentionCuda, RoutingTakesTilesForLongRows) {
   HAX_REQUIRE_CUDA();
   torch::manual_seed(98);
-  const int64_t L = hax::ops::kDilatedTilesMinLength + 5;
+  const int64_t L = hax::ops::kDilatedTilesMinLength;
   const auto o = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
   const at::Tensor q = at::randn({1, L, 2, 64}, o), k = at::randn({1, L, 2, 64}, o), v = at::randn({1, L, 2, 64}, o);
   const at::Tensor qg = q.clone().requires_grad_();
-  EXPECT_TRUE(dilated_attention_native(q, k, v));
-  EXPECT_FALSE(dilated_attention_native(qg, k, v)) << "a gradient is wanted: the lists path";
-  EXPECT_FALSE(dilated_attention_native(q.narrow(1, 0, L - 6), k.narrow(1, 0, L - 6), v.narrow(1, 0, L - 6)));
-  for (auto [keys, stride, window] : std::vector<std::array<int64_t, 3>>{{64, 512, 0}, {32, 1024, 32}}) {
-    SCOPED_TRACE("keys=" + std::to_string(keys) + " stride=" + std::to_string(stride));
-    auto [tiles, tiles_lse] = dilated_attention(q, k, v, keys, stride, window, 0.125);
-    auto [lists, lists_lse] = dilated_attention(qg, k, v, keys, stride, window, 0.125);  // (recorded: lists)
-    EXPECT_LE(scaled_err(tiles.to(at::kDouble), lists.detach().to(at::kDouble)), 1e-2);
-    EXPECT_LE(scaled_err(finite_lse(tiles_lse).to(at::kDouble), finite_lse(lists_lse.detach()).to(at::kDouble)),
-              1e-2);
-  }
+  EXPECT_TRUE(dilated_attention_native(q, k, v, 0));
+  EXPECT_TRUE(dilated_attention_native(qg, k, v, 0)) << "D trains through the block tiles";
+  EXPECT_TRUE(dilated_attention_native(q, k, v, 32));
+  EXPECT_FALSE(dilated_attention_native(qg, k, v, 32)) << "SW+D with a gradient: the lists path";
+  auto cut = [](const at::Tensor& t) { return t.narrow(1, 0, t.size(1) - 1); };
+  EXPECT_FALSE(dilated_attention_native(cut(q), cut(k), cut(v), 0)) << "below kDilatedTilesMinLength: the lists";
+  // SW+D: the tiles (no gradient) against the lists (a gradient wanted), on the same inputs.
+  auto [tiles, tiles_lse] = dilated_attention(q, k, v, 32, 1024, 32, 0.125);
+  auto [lists, lists_lse] = dilated_attention(qg, k, v, 32, 1024, 32, 0.125);
+  EXPECT_LE(scaled_err(tiles.to(at::kDouble), lists.detach().to(at::kDouble)), 1e-2);
+  EXPECT_LE(scaled_err(tiles_lse.to(at::kDouble), lists_lse.detach().to(at::kDouble)), 1e-2);
+  // D: the tiles on the whole row against the lists on the row less its last query (the same keys
+  // for every other query).
+  auto [dt, dt_lse] = dilated_attention(q, k, v, 64, 512, 0, 0.125);
+  auto [dl, dl_lse] = dilated_attention(cut(q), cut(k), cut(v), 64, 512, 0, 0.125);
+  EXPECT_LE(scaled_err(cut(dt).to(at::kDouble), dl.to(at::kDouble)), 1e-2);
+  EXPECT_LE(scaled_err(finite_lse(dt_lse.narrow(2, 0, L - 1)).to(at::kDouble), finite_lse(dl_lse).to(at::kDouble)),
+            1e-2);
 }
 
 // The model's sparse branch with sparse = "d" and "sw+d" on the GPU in bfloat16 against the same
-// branch on the CPU in float64 (the patterns' lists): with gradients (the GPU's lists) at a short
-// length, and for inference (the block-tile form) at a long one.
+// branch on the CPU in float64 (the patterns' lists): with gradients at a short length (the GPU's
+// lists), and at a long one for inference (the block tiles) and, for D, with gradients (the block
+// tiles too).
 TEST(DilatedAttentionCuda, ModelBranchMatchesCpuLists) {
   HAX_REQUIRE_CUDA();
   torch::manual_seed(97);
   for (const char* kind : {"d", "sw+d"})
-    for (int64_t L : {333, 40000}) {
-      SCOPED_TRACE(std::string(kind) + " L=" + std::to_string(L));
+    for (auto [L, infer] : std::vector<std::pair<int64_t, bool>>{{333, false}, {40000, true}, {40000, false}}) {
+      SCOPED_TRACE(std::string(kind) + " L=" + std::to_string(L) + (infer ? " inference" : " with gradients"));
       hax::ModelConfig mc;
       mc.d_model = 32, mc.d_state = 32, mc.sparse = kind, mc.sparse_keys = 40, mc.attn_heads = 2, mc.qk_dim = 32;
       mc.dilated_span = 160;  // stride 4 (d: 160 / 40) or 8 (sw+d: 160 / 20)
       hax::SparseAttentionBranch branch(mc, 32, 64, 0);
       const int64_t B = 1, H = 2, D = 32;
-      const bool infer = L > 1000;
+      const bool sw = std::string(kind) == "sw+d", tiles = L >= hax::ops::kDilatedTilesMinLength && (infer || !sw);
       at::Tensor x0 = at::randn({B, L, 32});
       auto fn = [&](const Tensors& in) {
         hax::ForwardContext ctx;
@@ -245,7 +238,7 @@ TEST(DilatedAttentionCuda, ModelBranchMatchesCpuLists) {
                     (at::randn({B, L, H, D}) / std::sqrt(32.0)).requires_grad_(!infer),
                     at::randn({B, L, H, D}).requires_grad_(!infer)};
       Tensors gpu_in = to_device(in, at::Device(at::kCUDA, 0), at::kBFloat16);
-      EXPECT_EQ(dilated_attention_native(gpu_in[0], gpu_in[1], gpu_in[2]), infer);
+      EXPECT_EQ(dilated_attention_native(gpu_in[0], gpu_in[1], gpu_in[2], sw ? 20 : 0), tiles);
       Tensors w = random_cotangents(fn(clone_leaves(in)));
       const auto gpu = run_on_device(fn, gpu_in, w);
       const auto cpu = run_on_device(fn, to_device(gpu_in, at::Device(at::kCPU), at::kDouble), w);

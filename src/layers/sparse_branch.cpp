@@ -118,23 +118,16 @@ int lsh_band_mode() {
 }
 bool lsh_as_band(size_t parts) { return lsh_band_mode() < 0 ? parts == 1 : lsh_band_mode() == 1; }
 
-// A switch of the environment for a fast path (`name` = 0 or 1, unset = 1), for comparisons:
-// HAX_A_SINK_KERNELS=0 runs A through its lists on the GPU too, HAX_D_KERNELS=0 likewise D and
-// SW+D; unset or 1, they take ops::a_shaped_attention's and ops::dilated_attention's fast paths
-// where these apply.
-bool env_kernels_on(const char* name) {
-  const char* e = std::getenv(name);
-  if (!e) return true;
-  const std::string v(e);
-  HAX_CHECK(v == "0" || v == "1", "{} = '{}' must be 0 (through lists) or 1 (the kernels)", name, v);
-  return v == "1";
-}
+// HAX_A_SINK_KERNELS=0 runs A through its lists on the GPU too (for comparisons); unset or 1, A
+// takes ops::a_shaped_attention's fast path where it applies.
 bool a_sink_kernels() {
-  static const bool on = env_kernels_on("HAX_A_SINK_KERNELS");
-  return on;
-}
-bool d_kernels() {
-  static const bool on = env_kernels_on("HAX_D_KERNELS");
+  static const bool on = [] {
+    const char* e = std::getenv("HAX_A_SINK_KERNELS");
+    if (!e) return true;
+    const std::string v(e);
+    HAX_CHECK(v == "0" || v == "1", "HAX_A_SINK_KERNELS = '{}' must be 0 (A through lists) or 1 (the sink kernels)", v);
+    return v == "1";
+  }();
   return on;
 }
 
@@ -168,14 +161,16 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
   if (kind_ == "a" && vh.is_cuda() && !(ctx && ctx->record) && !(seq_idx.defined() && seq_idx.numel() > 0) &&
       a_sink_kernels() && ops::a_shaped_attention_native(q, vh, keys_per_part_, keys_per_part_))
     return std::get<0>(ops::a_shaped_attention(q, k, vh, keys_per_part_, keys_per_part_, 1.0));
-  // D and SW+D on the GPU without packing, for inference at long lengths: the causal kernels over
-  // the window and, as a band, over the compacted dilated keys (ops/dilated_attention), no lists.
-  // Training (the block-tile form's backward is slower than the lists'), packed rows (the
+  // D and SW+D on the GPU without packing, at long lengths: the causal kernels over the window and,
+  // as a band, over the compacted dilated keys (ops/dilated_attention), no lists; SW+D for
+  // inference only (ops::dilated_attention_native says where each is faster). Packed rows (the
   // dilation's phase restarts per sequence) and recording use the lists.
   if ((kind_ == "d" || kind_ == "sw+d") && vh.is_cuda() && !(ctx && ctx->record) &&
-      !(seq_idx.defined() && seq_idx.numel() > 0) && d_kernels() && ops::dilated_attention_native(q, k, vh))
-    return std::get<0>(
-        ops::dilated_attention(q, k, vh, keys_per_part_, stride_, kind_ == "sw+d" ? keys_per_part_ : 0, 1.0));
+      !(seq_idx.defined() && seq_idx.numel() > 0)) {
+    const int64_t window = kind_ == "sw+d" ? keys_per_part_ : 0;
+    if (ops::dilated_attention_native(q, k, vh, window))
+      return std::get<0>(ops::dilated_attention(q, k, vh, keys_per_part_, stride_, window, 1.0));
+  }
   if (kind_ == "hsa") {
     at::Tensor lists;
     at::Tensor out = hsa->forward(qk_in, q, k, vh, seq_idx, 1.0, ctx && ctx->record ? &lists : nullptr);

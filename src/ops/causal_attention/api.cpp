@@ -65,7 +65,7 @@ using torch::autograd::variable_list;
 
 struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentionFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, at::Tensor seq_idx,
-                               int64_t window, double scale, at::Tensor band0) {
+                               int64_t window, double scale, at::Tensor band0, int64_t key_rows, int64_t dkdv_splits) {
     ctx->set_materialize_grads(false);  // an unused output (lse, final state) gets no tensor of zeros
     // An absent seq_idx arrives as an empty tensor (LibTorch's autograd needs defined ones).
     if (seq_idx.numel() == 0) seq_idx = at::Tensor();
@@ -92,6 +92,8 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
     ctx->saved_data["has_seq"] = seq.defined();
     ctx->saved_data["has_band"] = band.defined();
     ctx->saved_data["tensor_cores"] = p.tensor_cores;
+    ctx->saved_data["key_rows"] = key_rows;
+    ctx->saved_data["dkdv_splits"] = dkdv_splits;
     ctx->save_for_backward({q, k, v, seq.defined() ? seq : at::empty({0}, at::kInt), out, lse,
                             band.defined() ? band : at::empty({0}, at::kInt)});
     return {out, lse};
@@ -120,12 +122,16 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
         gp.fwd.tensor_cores = ctx->saved_data["tensor_cores"].toBool();
         at::Tensor delta = at::empty({causal_attention_cuda_workspace(gp.fwd)}, q.options().dtype(at::kFloat));
         gp.workspace = delta.data_ptr();
+        gp.key_rows = ctx->saved_data["key_rows"].toInt();
+        gp.dkdv_splits = ctx->saved_data["dkdv_splits"].toInt();
+        at::Tensor partial = at::empty({causal_attention_partial_entries(gp)}, q.options().dtype(at::kFloat));
+        gp.partial = gp.dkdv_splits > 1 ? partial.data_ptr<float>() : nullptr;
         HAX_CUDA_LAUNCH(kOp, q, causal_attention_backward_cuda(gp, kernel_dtype(q), cuda_stream(q)));
       } else {
         causal_attention_backward_cpu(gp, q.scalar_type());
       }
     }
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -136,13 +142,19 @@ bool causal_attention_tensor_cores() { return g_tensor_cores.load(); }
 
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& seq_idx, int64_t window, double scale,
-                                                    const at::Tensor& band) {
+                                                    const at::Tensor& band, int64_t key_rows, int64_t dkdv_splits) {
   if (autocast_cast_needed({q, k, v}))
-    return causal_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), seq_idx, window, scale, band);
+    return causal_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), seq_idx, window, scale, band,
+                            key_rows, dkdv_splits);
   const Dims d = check_inputs(q, k, v, window, scale);  // before apply, which needs defined tensors
-  check_band(band, d, q, window, seq_idx);
+  const at::Tensor b = check_band(band, d, q, window, seq_idx);
+  HAX_CHECK(key_rows >= 0 && dkdv_splits >= 1 && dkdv_splits <= 65535,
+            "{}: key_rows {} must be >= 0 and dkdv_splits {} in [1, 65535]", kOp, key_rows, dkdv_splits);
+  HAX_CHECK(b.defined() || (key_rows == 0 && dkdv_splits == 1),
+            "{}: key_rows {} and dkdv_splits {} need a band (they describe its keys)", kOp, key_rows, dkdv_splits);
   auto out = CausalAttentionFunction::apply(q, k, v, seq_idx.defined() ? seq_idx : at::empty({0}, at::kInt), window,
-                                            scale, band.defined() ? band : at::empty({0}, at::kInt));
+                                            scale, band.defined() ? band : at::empty({0}, at::kInt), key_rows,
+                                            dkdv_splits);
   return {out[0], out[1]};
 }
 

@@ -31,9 +31,13 @@ bool causal_attention_tensor_cores();
 // `band` (int32 (4, B, H, L), params.h), if defined, replaces the causal visibility (window 0, no
 // seq_idx): query i of head h sees keys [band[0][b][h][i], band[1][b][h][i]]. A query that sees no
 // key outputs 0 with lse = -inf. LSH attention runs as such a band over bucket-sorted rows.
+// With a band, key_rows (> 0: no query sees a key row at or past it) and dkdv_splits (each key
+// tile's query tiles split over that many dK/dV blocks) shape the CUDA backward's work
+// (params.h); they change no result. Dilated attention's compacted keys use them.
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& seq_idx, int64_t window, double scale,
-                                                    const at::Tensor& band = {});
+                                                    const at::Tensor& band = {}, int64_t key_rows = 0,
+                                                    int64_t dkdv_splits = 1);
 
 // Dense masked-softmax reference with LibTorch ops (test oracle; float64, small L); with a band as
 // above (parts 0 and 1 define it).

@@ -40,7 +40,30 @@ struct CausalAttentionGradParams {
   void* dk = nullptr;             // out (B, L, H, D)
   void* dv = nullptr;             // out (B, L, H, Dv)
   void* workspace = nullptr;      // CUDA only: float32 scratch of causal_attention_cuda_workspace(fwd) entries
+  // With a band, on the bfloat16 tensor-core path (elsewhere these change nothing, as they change
+  // no result): key rows at or past key_rows are seen by no query (the caller's promise), so only
+  // the key tiles below it get dK/dV blocks and the rows past them are set to zero (0 = every row);
+  // and each key tile's query tiles are split over dkdv_splits blocks, whose float32 partial sums
+  // (in `partial`) a second kernel adds in split order (deterministic). Splits are for bands whose
+  // keys are each seen by very many queries (ops/dilated_attention's compacted keys), where one
+  // block a key tile would walk them all alone.
+  int64_t key_rows = 0;
+  int64_t dkdv_splits = 1;
+  float* partial = nullptr;       // dkdv_splits > 1: causal_attention_partial_entries(*this) float32 entries
 };
+
+// Key rows that get dK/dV blocks on the tensor-core path: key_rows (or L) rounded up to whole
+// 64-key tiles (kCausalKeyTile).
+constexpr int64_t kCausalKeyTile = 64;
+inline int64_t causal_attention_key_rows(const CausalAttentionGradParams& gp) {
+  const int64_t L = gp.fwd.seqlen, kr = gp.key_rows > 0 && gp.key_rows < L ? gp.key_rows : L;
+  return (kr + kCausalKeyTile - 1) / kCausalKeyTile * kCausalKeyTile;
+}
+// Float32 entries of `partial`: (splits, B, key rows, H, D), then (splits, B, key rows, H, Dv).
+inline int64_t causal_attention_partial_entries(const CausalAttentionGradParams& gp) {
+  if (gp.dkdv_splits <= 1) return 0;
+  return gp.dkdv_splits * gp.fwd.batch * causal_attention_key_rows(gp) * gp.fwd.nheads * (gp.fwd.dim + gp.fwd.vdim);
+}
 
 // Float32 entries of scratch the CUDA backward needs: Δ_i = dO_i · O_i - dlse_i, (B, H, L).
 inline int64_t causal_attention_cuda_workspace(const CausalAttentionParams& p) {

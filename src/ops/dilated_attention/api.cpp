@@ -3,7 +3,10 @@
 // lists path. dilated_attention.h has the definition and the band's formulas.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "core/error.h"
 #include "ops/attention/attention.h"
@@ -55,14 +58,34 @@ bool dilated_part_nonempty(int64_t L, int64_t keys, int64_t stride, int64_t wind
 
 }  // namespace
 
-bool dilated_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+int dilated_tiles_mode() {
+  static const int mode = [] {
+    const char* e = std::getenv("HAX_D_KERNELS");
+    if (!e) return 1;
+    const std::string v(e);
+    HAX_CHECK(v == "0" || v == "1" || v == "2",
+              "HAX_D_KERNELS = '{}' must be 0 (the lists), 1 (the block tiles where they are faster) or 2 (the block "
+              "tiles wherever they run)",
+              v);
+    return std::stoi(v);
+  }();
+  return mode;
+}
+
+bool dilated_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
   if (!q.defined() || !k.defined() || !v.defined() || !q.is_cuda() || q.dim() != 4 || v.dim() != 4) return false;
   const bool bf16 = q.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16;
   if (!bf16 && !(cuda_autocast_enabled() && at::isFloatingType(q.scalar_type()))) return false;
-  if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) return false;
-  return causal_attention_tensor_cores() && q.size(3) <= kCausalAttentionCudaMaxDim &&
-         v.size(3) <= kCausalAttentionCudaMaxDim && q.size(1) >= kDilatedTilesMinLength &&
-         q.size(1) < (int64_t(1) << 30);
+  const int mode = dilated_tiles_mode();
+  if (mode == 0) return false;
+  const bool fits = causal_attention_tensor_cores() && q.size(3) <= kCausalAttentionCudaMaxDim &&
+                    v.size(3) <= kCausalAttentionCudaMaxDim && q.size(1) < (int64_t(1) << 30);
+  if (mode == 2) return fits;
+  // SW+D's backward (two attentions, the join, the summed gradients) measured no faster than the
+  // lists': it takes the tiles for inference only.
+  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (window > 0 && grad) return false;
+  return fits && q.size(1) >= kDilatedTilesMinLength;
 }
 
 at::Tensor dilated_lists(int64_t B, int64_t H, int64_t L, int64_t keys, int64_t stride, int64_t window,
@@ -105,7 +128,12 @@ std::tuple<at::Tensor, at::Tensor> dilated_part(const at::Tensor& q, const at::T
     return at::constant_pad_nd(t.slice(1, stride - 1, d.L, stride), {0, 0, 0, 0, 0, d.L - Lk});
   };
   const at::Tensor band = dilated_band(d.B, d.H, d.L, keys, stride, window, q.device());
-  return causal_attention(q, compact(k), compact(v), {}, 0, scale, band);
+  // A tile of 64 compacted keys is seen by about (64 + keys) r queries: their tiles are split
+  // over blocks of about 16 tiles each (the partial sums cost splits x Lk rows of float32, so
+  // at most 2 L rows).
+  const int64_t span = std::min(d.L, (kCausalKeyTile + keys) * stride + window) / kCausalKeyTile + 2;
+  const int64_t splits = std::clamp<int64_t>((span + 15) / 16, 1, std::max<int64_t>(1, 2 * d.L / std::max<int64_t>(Lk, kCausalKeyTile)));
+  return causal_attention(q, compact(k), compact(v), {}, 0, scale, band, Lk, std::min<int64_t>(splits, 4096));
 }
 
 }  // namespace
@@ -128,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> dilated_attention(const at::Tensor& q, const 
   if (autocast_cast_needed({q, k, v}))
     return dilated_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), keys, stride, window, scale);
   const QkvDims d = check_inputs(q, k, v, keys, stride, window, scale);
-  if (dilated_attention_native(q, k, v) && q.scalar_type() == at::kBFloat16)
+  if (dilated_attention_native(q, k, v, window) && q.scalar_type() == at::kBFloat16)
     return dilated_attention_tiles(q, k, v, keys, stride, window, scale);
   const at::Tensor idx = dilated_lists(d.B, d.H, d.L, keys, stride, window, q.device());
   auto [out, lse] = sparse_attention(q, k, v, idx, {}, {}, {}, scale);

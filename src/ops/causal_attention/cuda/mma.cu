@@ -481,6 +481,46 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
   else store_rows<DB>((bf16*)gp.dq + off_qk, sqk, acc, row, scale, L, dm.D, t);
 }
 
+// A split dK/dV block's sums (unscaled) for its key rows, as float32 into split blockIdx.y of
+// gp.partial (params.h: (splits, B, KR, H, D), then the same with Dv). The rows are below KR.
+template <int DB>
+__device__ __forceinline__ void store_partial(const CausalAttentionGradParams& gp, const Dims& dm,
+                                              const float (&dk)[DB / 8][4], const float (&dv)[DB / 8][4],
+                                              const int (&row)[2], int b, int h, int t) {
+  const int64_t B = gp.fwd.batch, s = blockIdx.y, nk = (int64_t)gridDim.y * B * dm.KR * dm.H * dm.D;
+  float* pk = gp.partial + ((s * B + b) * dm.KR * dm.H + h) * dm.D;
+  float* pv = gp.partial + nk + ((s * B + b) * dm.KR * dm.H + h) * dm.Dv;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int d = nt * 8 + 2 * t + c;
+        if (d < dm.D) pk[(int64_t)row[r] * dm.H * dm.D + d] = dk[nt][2 * r + c];
+        if (d < dm.Dv) pv[(int64_t)row[r] * dm.H * dm.Dv + d] = dv[nt][2 * r + c];
+      }
+}
+
+// dk = scale Σ_s partial dK, dv = Σ_s partial dV for the key rows below min(KR, L), the splits
+// added in order (deterministic); one thread an entry.
+__global__ void sum_partials_kernel(CausalAttentionGradParams gp, Dims dm) {
+  const int64_t B = gp.fwd.batch, S = gp.dkdv_splits;
+  const int64_t nk = B * dm.KR * dm.H * dm.D, nv = B * dm.KR * dm.H * dm.Dv;
+  const float scale = (float)gp.fwd.scale;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < nk + nv; e += (int64_t)gridDim.x * blockDim.x) {
+    const bool is_k = e < nk;
+    const int64_t x = is_k ? e : e - nk, W = is_k ? dm.D : dm.Dv, n = is_k ? nk : nv;
+    const int64_t rest = x / W, c = x % W, h = rest % dm.H, j = rest / dm.H % dm.KR, b = rest / dm.H / dm.KR;
+    if (j >= dm.L) continue;
+    const float* src = gp.partial + (is_k ? 0 : S * nk) + x;
+    float acc = 0.f;
+    for (int64_t s = 0; s < S; ++s) acc += src[s * n];
+    bf16* dst = (bf16*)(is_k ? gp.dk : gp.dv) + ((b * dm.L + j) * dm.H + h) * W + c;
+    *dst = __float2bfloat16(is_k ? acc * scale : acc);
+  }
+}
+
 template <int DB, int kMode>
 struct DkdvCfg {
   static constexpr int BN = DB == 128 ? 32 : 64;  // queries staged per step
@@ -538,6 +578,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
   }
   int qt_begin, qt_end;
   tile_span(vis.first_query(j0), vis.last_query(min(j0 + kRows - 1, L - 1)), BN, L, qt_begin, qt_end);
+  if (gridDim.y > 1) {  // split blockIdx.y of the query tiles (params.h, dkdv_splits)
+    const int per = (qt_end - qt_begin + (int)gridDim.y) / (int)gridDim.y;
+    qt_begin += (int)blockIdx.y * per;
+    qt_end = min(qt_end, qt_begin + per - 1);
+  }
   // Query tile qt's rows, lse and Δ into buffer b (kCopy: asynchronous; kPlain: loaded).
   auto stage = [&](int qt, int b) {
     const int i0 = qt * BN;
@@ -577,6 +622,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
     });
   };
   const int tiles = qt_end - qt_begin + 1;
+  if (tiles <= 0) {  // an empty split: zero partial sums (block-uniform, before any barrier)
+    const float zero[DT][4] = {};
+    store_partial<DB>(gp, dm, zero, zero, row, b, h, t);
+    return;
+  }
   if constexpr (kMode == kTma) {
     ring.start(tiles, fill);
   } else if constexpr (kMode == kCopy) {
@@ -666,6 +716,10 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
       }
       if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
     }
+  }
+  if (gridDim.y > 1) {  // split: float32 partial sums, added by sum_partials_kernel
+    store_partial<DB>(gp, dm, dk, dv, row, b, h, t);
+    return;
   }
   const float scale[2] = {(float)p.scale, (float)p.scale}, one[2] = {1.f, 1.f};
   if constexpr (kMode != kPlain) {  // 16-byte stores through the warp's own rows of sK and sV
@@ -784,8 +838,15 @@ void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
 }
 
 void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
-  const Dims dm = make_dims(gp.fwd, kRows);
+  Dims dm = make_dims(gp.fwd, kRows);
   const unsigned grid = grid_size(dm);
+  // dK/dV: the key tiles below KR (params.h, key_rows), times the splits of their query tiles.
+  const int64_t KR = causal_attention_key_rows(gp), splits = gp.dkdv_splits > 1 ? gp.dkdv_splits : 1;
+  if (splits > 65535 || (splits > 1 && !gp.partial))
+    throw std::runtime_error("causal_attention_backward_cuda: dkdv_splits = " + std::to_string(splits) +
+                             " must be at most 65535 and come with its partial buffer");
+  dm.KR = (int)KR;
+  const dim3 grid_kv((unsigned)((KR / kRows) * dm.BH), (unsigned)splits);
   const VecLoads vec = vec_loads(gp.fwd, {gp.fwd.out, gp.dout, gp.dq, gp.dk, gp.dv});
   TmaMaps maps{};
   const bool tma = vec.qk && vec.v && tma_maps(gp.fwd, gp.dout, maps);
@@ -796,7 +857,7 @@ void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
       allow_smem(dq_kernel<DB, kQ>, smem_q, "causal_attention_backward_cuda");
       allow_smem(dkdv_kernel<DB, kKV>, smem_kv, "causal_attention_backward_cuda");
       dq_kernel<DB, kQ><<<grid, kThreads, smem_q, stream>>>(gp, dm, vec, maps);
-      dkdv_kernel<DB, kKV><<<grid, kThreads, smem_kv, stream>>>(gp, dm, vec, maps);
+      dkdv_kernel<DB, kKV><<<grid_kv, kThreads, smem_kv, stream>>>(gp, dm, vec, maps);
     };
     using Tma = std::integral_constant<int, kTma>;
     using Copy = std::integral_constant<int, kCopy>;
@@ -811,6 +872,21 @@ void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
     else launch(std::integral_constant<int, kPlain>{}, std::integral_constant<int, kPlain>{});
   });
   cuda::check_launch("causal_attention_backward_cuda (tensor cores)");
+  if (splits > 1) {
+    const int64_t n = gp.fwd.batch * std::min<int64_t>(KR, dm.L) * dm.H * (dm.D + dm.Dv);
+    sum_partials_kernel<<<(unsigned)std::min<int64_t>(cuda::ceil_div(n, 256), 4096), 256, 0, stream>>>(gp, dm);
+    cuda::check_launch("causal_attention_backward_cuda (split sums)");
+  }
+  if (KR < dm.L) {  // rows no query sees: zero gradients, one 2-d memset per tensor
+    const int64_t B = gp.fwd.batch, row_k = (int64_t)dm.H * dm.D * 2, row_v = (int64_t)dm.H * dm.Dv * 2;
+    const int64_t rest = dm.L - KR;
+    auto zero = [&](void* base, int64_t row_bytes) {
+      if (cudaMemset2DAsync((char*)base + KR * row_bytes, dm.L * row_bytes, 0, rest * row_bytes, B, stream) != cudaSuccess)
+        throw std::runtime_error("causal_attention_backward_cuda: zeroing the unseen key rows failed");
+    };
+    zero(gp.dk, row_k);
+    zero(gp.dv, row_v);
+  }
 }
 
 }  // namespace hax::ops::causal_cuda

@@ -32,6 +32,7 @@ struct Dims {
   int W = 0;                        // window (0 = no limit; a window >= L is stored as 0)
   int BH = 0;                       // B * H
   int ntiles = 0;                   // tiles of the sequence per (b, h)
+  int KR = 0;                       // backward: key rows with dK/dV blocks (causal_attention_key_rows)
   float scale2 = 0;                 // scale * log2(e): scores in base-2 units, for exp2f
 };
 
