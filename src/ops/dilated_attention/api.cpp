@@ -56,8 +56,8 @@ bool dilated_part_nonempty(int64_t L, int64_t keys, int64_t stride, int64_t wind
   return stride + window - 1 <= std::min(L - 1, (keys + 1) * stride - 2);
 }
 
-}  // namespace
-
+// HAX_D_KERNELS: 0 the lists everywhere, 1 (unset) the block tiles where they measured faster,
+// 2 the block tiles wherever they run (for comparisons).
 int dilated_tiles_mode() {
   static const int mode = [] {
     const char* e = std::getenv("HAX_D_KERNELS");
@@ -71,6 +71,8 @@ int dilated_tiles_mode() {
   }();
   return mode;
 }
+
+}  // namespace
 
 bool dilated_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
   if (!q.defined() || !k.defined() || !v.defined() || !q.is_cuda() || q.dim() != 4 || v.dim() != 4) return false;
@@ -131,17 +133,16 @@ std::tuple<at::Tensor, at::Tensor> dilated_part(const at::Tensor& q, const at::T
   // A tile of 64 compacted keys is seen by about (64 + keys) r queries: their tiles are split
   // over blocks of about 16 tiles each (the partial sums cost splits x Lk rows of float32, so
   // at most 2 L rows).
-  const int64_t span = std::min(d.L, (kCausalKeyTile + keys) * stride + window) / kCausalKeyTile + 2;
-  const int64_t splits = std::clamp<int64_t>((span + 15) / 16, 1, std::max<int64_t>(1, 2 * d.L / std::max<int64_t>(Lk, kCausalKeyTile)));
-  return causal_attention(q, compact(k), compact(v), {}, 0, scale, band, Lk, std::min<int64_t>(splits, 4096));
+  const int64_t tiles = std::min(d.L, (kCausalKeyTile + keys) * stride + window) / kCausalKeyTile + 2;
+  const int64_t most = std::clamp<int64_t>(2 * d.L / std::max<int64_t>(Lk, kCausalKeyTile), 1, 4096);
+  const int64_t splits = std::clamp<int64_t>((tiles + 15) / 16, 1, most);
+  return causal_attention(q, compact(k), compact(v), {}, 0, scale, band, Lk, splits);
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> dilated_attention_tiles(const at::Tensor& q, const at::Tensor& k,
-                                                           const at::Tensor& v, int64_t keys, int64_t stride,
-                                                           int64_t window, double scale) {
-  const QkvDims d = check_inputs(q, k, v, keys, stride, window, scale);
+// The block-tile form on checked inputs of sizes d.
+std::tuple<at::Tensor, at::Tensor> tiles_form(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const QkvDims& d, int64_t keys, int64_t stride, int64_t window,
+                                              double scale) {
   clamp_sizes(d.L, keys, stride, window);
   if (window > 0 && !dilated_part_nonempty(d.L, keys, stride, window))
     return causal_attention(q, k, v, {}, window, scale);  // the window covers every D(i)
@@ -151,13 +152,21 @@ std::tuple<at::Tensor, at::Tensor> dilated_attention_tiles(const at::Tensor& q, 
   return {join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2.unsqueeze(-1)), at::logaddexp(lse1, lse2)};
 }
 
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> dilated_attention_tiles(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, int64_t keys, int64_t stride,
+                                                           int64_t window, double scale) {
+  return tiles_form(q, k, v, check_inputs(q, k, v, keys, stride, window, scale), keys, stride, window, scale);
+}
+
 std::tuple<at::Tensor, at::Tensor> dilated_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      int64_t keys, int64_t stride, int64_t window, double scale) {
   if (autocast_cast_needed({q, k, v}))
     return dilated_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), keys, stride, window, scale);
   const QkvDims d = check_inputs(q, k, v, keys, stride, window, scale);
   if (dilated_attention_native(q, k, v, window) && q.scalar_type() == at::kBFloat16)
-    return dilated_attention_tiles(q, k, v, keys, stride, window, scale);
+    return tiles_form(q, k, v, d, keys, stride, window, scale);
   const at::Tensor idx = dilated_lists(d.B, d.H, d.L, keys, stride, window, q.device());
   auto [out, lse] = sparse_attention(q, k, v, idx, {}, {}, {}, scale);
   return {out, lse.squeeze(-1)};
