@@ -183,40 +183,33 @@ TEST(DilatedAttentionCuda, TilesGradientsAreBitIdenticalAcrossRuns) {
   expect_cuda_runs_bit_identical(d_case({1, 1000, 2, 64, 64, 64, 32, 0}, &dilated_attention_tiles), at::kBFloat16);
 }
 
-// dilated_attention takes the block-tile form from kDilatedTilesMinLength on, for SW+D only without
-// gradients; where it does, it equals the lists path (taken here at the same length by SW+D with a
-// gradient, and by D on a row one step too short).
+// dilated_attention takes the block-tile form from kDilatedTilesMinLength on, with or without
+// gradients, and there equals the lists path (taken on the row one query shorter: the same keys for
+// every other query).
 TEST(DilatedAttentionCuda, RoutingTakesTilesForLongRows) {
   HAX_REQUIRE_CUDA();
   torch::manual_seed(98);
   const int64_t L = hax::ops::kDilatedTilesMinLength;
   const auto o = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
   const at::Tensor q = at::randn({1, L, 2, 64}, o), k = at::randn({1, L, 2, 64}, o), v = at::randn({1, L, 2, 64}, o);
-  const at::Tensor qg = q.clone().requires_grad_();
-  EXPECT_TRUE(dilated_attention_native(q, k, v, 0));
-  EXPECT_TRUE(dilated_attention_native(qg, k, v, 0)) << "D trains through the block tiles";
-  EXPECT_TRUE(dilated_attention_native(q, k, v, 32));
-  EXPECT_FALSE(dilated_attention_native(qg, k, v, 32)) << "SW+D with a gradient: the lists path";
   auto cut = [](const at::Tensor& t) { return t.narrow(1, 0, t.size(1) - 1); };
-  EXPECT_FALSE(dilated_attention_native(cut(q), cut(k), cut(v), 0)) << "below kDilatedTilesMinLength: the lists";
-  // SW+D: the tiles (no gradient) against the lists (a gradient wanted), on the same inputs.
-  auto [tiles, tiles_lse] = dilated_attention(q, k, v, 32, 1024, 32, 0.125);
-  auto [lists, lists_lse] = dilated_attention(qg, k, v, 32, 1024, 32, 0.125);
-  EXPECT_LE(scaled_err(tiles.to(at::kDouble), lists.detach().to(at::kDouble)), 1e-2);
-  EXPECT_LE(scaled_err(tiles_lse.to(at::kDouble), lists_lse.detach().to(at::kDouble)), 1e-2);
-  // D: the tiles on the whole row against the lists on the row less its last query (the same keys
-  // for every other query).
-  auto [dt, dt_lse] = dilated_attention(q, k, v, 64, 512, 0, 0.125);
-  auto [dl, dl_lse] = dilated_attention(cut(q), cut(k), cut(v), 64, 512, 0, 0.125);
-  EXPECT_LE(scaled_err(cut(dt).to(at::kDouble), dl.to(at::kDouble)), 1e-2);
-  EXPECT_LE(scaled_err(finite_lse(dt_lse.narrow(2, 0, L - 1)).to(at::kDouble), finite_lse(dl_lse).to(at::kDouble)),
-            1e-2);
+  EXPECT_TRUE(dilated_attention_native(q, v));
+  EXPECT_TRUE(dilated_attention_native(q.clone().requires_grad_(), v)) << "training takes the block tiles too";
+  EXPECT_FALSE(dilated_attention_native(cut(q), cut(v))) << "below kDilatedTilesMinLength: the lists";
+  for (auto [keys, stride, window] : std::vector<std::array<int64_t, 3>>{{64, 512, 0}, {32, 1024, 32}}) {
+    SCOPED_TRACE("keys=" + std::to_string(keys) + " stride=" + std::to_string(stride) + " window=" +
+                 std::to_string(window));
+    auto [tiles, tiles_lse] = dilated_attention(q, k, v, keys, stride, window, 0.125);
+    auto [lists, lists_lse] = dilated_attention(cut(q), cut(k), cut(v), keys, stride, window, 0.125);
+    EXPECT_LE(scaled_err(cut(tiles).to(at::kDouble), lists.to(at::kDouble)), 1e-2);
+    EXPECT_LE(scaled_err(finite_lse(tiles_lse.narrow(2, 0, L - 1)).to(at::kDouble), finite_lse(lists_lse).to(at::kDouble)),
+              1e-2);
+  }
 }
 
 // The model's sparse branch with sparse = "d" and "sw+d" on the GPU in bfloat16 against the same
 // branch on the CPU in float64 (the patterns' lists): with gradients at a short length (the GPU's
-// lists), and at a long one for inference (the block tiles) and, for D, with gradients (the block
-// tiles too).
+// lists), and at a long one (the block tiles) with and without.
 TEST(DilatedAttentionCuda, ModelBranchMatchesCpuLists) {
   HAX_REQUIRE_CUDA();
   torch::manual_seed(97);
@@ -228,7 +221,7 @@ TEST(DilatedAttentionCuda, ModelBranchMatchesCpuLists) {
       mc.dilated_span = 160;  // stride 4 (d: 160 / 40) or 8 (sw+d: 160 / 20)
       hax::SparseAttentionBranch branch(mc, 32, 64, 0);
       const int64_t B = 1, H = 2, D = 32;
-      const bool sw = std::string(kind) == "sw+d", tiles = L >= hax::ops::kDilatedTilesMinLength && (infer || !sw);
+      const bool tiles = L >= hax::ops::kDilatedTilesMinLength;
       at::Tensor x0 = at::randn({B, L, 32});
       auto fn = [&](const Tensors& in) {
         hax::ForwardContext ctx;
@@ -238,7 +231,7 @@ TEST(DilatedAttentionCuda, ModelBranchMatchesCpuLists) {
                     (at::randn({B, L, H, D}) / std::sqrt(32.0)).requires_grad_(!infer),
                     at::randn({B, L, H, D}).requires_grad_(!infer)};
       Tensors gpu_in = to_device(in, at::Device(at::kCUDA, 0), at::kBFloat16);
-      EXPECT_EQ(dilated_attention_native(gpu_in[0], gpu_in[1], gpu_in[2], sw ? 20 : 0), tiles);
+      EXPECT_EQ(dilated_attention_native(gpu_in[0], gpu_in[2]), tiles);
       Tensors w = random_cotangents(fn(clone_leaves(in)));
       const auto gpu = run_on_device(fn, gpu_in, w);
       const auto cpu = run_on_device(fn, to_device(gpu_in, at::Device(at::kCPU), at::kDouble), w);

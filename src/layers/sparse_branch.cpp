@@ -162,15 +162,12 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
       a_sink_kernels() && ops::a_shaped_attention_native(q, vh, keys_per_part_, keys_per_part_))
     return std::get<0>(ops::a_shaped_attention(q, k, vh, keys_per_part_, keys_per_part_, 1.0));
   // D and SW+D on the GPU without packing, at long lengths: the causal kernels over the window and,
-  // as a band, over the compacted dilated keys (ops/dilated_attention), no lists; SW+D for
-  // inference only (ops::dilated_attention_native says where each is faster). Packed rows (the
+  // as a band, over the compacted dilated keys (ops/dilated_attention), no lists. Packed rows (the
   // dilation's phase restarts per sequence) and recording use the lists.
   if ((kind_ == "d" || kind_ == "sw+d") && vh.is_cuda() && !(ctx && ctx->record) &&
-      !(seq_idx.defined() && seq_idx.numel() > 0)) {
-    const int64_t window = kind_ == "sw+d" ? keys_per_part_ : 0;
-    if (ops::dilated_attention_native(q, k, vh, window))
-      return std::get<0>(ops::dilated_attention(q, k, vh, keys_per_part_, stride_, window, 1.0));
-  }
+      !(seq_idx.defined() && seq_idx.numel() > 0) && ops::dilated_attention_native(q, vh))
+    return std::get<0>(
+        ops::dilated_attention(q, k, vh, keys_per_part_, stride_, kind_ == "sw+d" ? keys_per_part_ : 0, 1.0));
   if (kind_ == "hsa") {
     at::Tensor lists;
     at::Tensor out = hsa->forward(qk_in, q, k, vh, seq_idx, 1.0, ctx && ctx->record ? &lists : nullptr);

@@ -74,20 +74,14 @@ int dilated_tiles_mode() {
 
 }  // namespace
 
-bool dilated_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
-  if (!q.defined() || !k.defined() || !v.defined() || !q.is_cuda() || q.dim() != 4 || v.dim() != 4) return false;
+bool dilated_attention_native(const at::Tensor& q, const at::Tensor& v) {
+  if (!q.defined() || !v.defined() || !q.is_cuda() || q.dim() != 4 || v.dim() != 4) return false;
   const bool bf16 = q.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16;
   if (!bf16 && !(cuda_autocast_enabled() && at::isFloatingType(q.scalar_type()))) return false;
   const int mode = dilated_tiles_mode();
-  if (mode == 0) return false;
   const bool fits = causal_attention_tensor_cores() && q.size(3) <= kCausalAttentionCudaMaxDim &&
                     v.size(3) <= kCausalAttentionCudaMaxDim && q.size(1) < (int64_t(1) << 30);
-  if (mode == 2) return fits;
-  // SW+D's backward (two attentions, the join, the summed gradients) measured no faster than the
-  // lists': it takes the tiles for inference only.
-  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  if (window > 0 && grad) return false;
-  return fits && q.size(1) >= kDilatedTilesMinLength;
+  return mode == 2 ? fits : mode == 1 && fits && q.size(1) >= kDilatedTilesMinLength;
 }
 
 at::Tensor dilated_lists(int64_t B, int64_t H, int64_t L, int64_t keys, int64_t stride, int64_t window,
@@ -118,25 +112,117 @@ at::Tensor dilated_band(int64_t B, int64_t H, int64_t L, int64_t keys, int64_t s
 
 namespace {
 
+// The compacted dilated keys of t, k[:, r-1::r] (L / r rows), padded with zero rows to L: the band
+// never lets a query see a padding row, but the tile holding the last real key loads some.
+at::Tensor compact_keys(const at::Tensor& t, int64_t L, int64_t stride) {
+  return at::constant_pad_nd(t.slice(1, stride - 1, L, stride), {0, 0, 0, 0, 0, L - L / stride});
+}
+
+// dkdv_splits for the band over L / r compacted keys: a tile of 64 of them is seen by about
+// (64 + keys) r queries, whose tiles are split over blocks of about 16 tiles each (the float32
+// partial sums cost splits x L / r rows, so at most 2 L rows).
+int64_t band_splits(int64_t L, int64_t keys, int64_t stride, int64_t window) {
+  const int64_t tiles = std::min(L, (kCausalKeyTile + keys) * stride + window) / kCausalKeyTile + 2;
+  const int64_t most = std::clamp<int64_t>(2 * L / std::max<int64_t>(L / stride, kCausalKeyTile), 1, 4096);
+  return std::clamp<int64_t>((tiles + 15) / 16, 1, most);
+}
+
+CausalAttentionParams kernel_params(const QkvDims& d, int64_t window, double scale, const at::Tensor& q,
+                                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& band) {
+  CausalAttentionParams p;
+  p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
+  p.window = window;
+  p.scale = scale;
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.band = band.defined() ? band.data_ptr<int32_t>() : nullptr;
+  p.tensor_cores = true;
+  return p;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// SW+D on CUDA in bfloat16: the two parts' forwards joined by lse, and a backward that runs each
+// part's causal backward with the union's out and lse (the same softmax as one attention, as
+// ops/a_shaped_attention does), adding the dilated part's dq and its compacted keys' dk, dv into
+// the window part's. Against autograd through the join this saves the join's backward, the
+// gradient's scatter into a zeroed (B, L, H, D) and two full-size adds.
+struct WindowDilatedFunction : public torch::autograd::Function<WindowDilatedFunction> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, int64_t keys,
+                               int64_t stride, int64_t window, double scale) {
+    ctx->set_materialize_grads(false);
+    const QkvDims d{q0.size(0), q0.size(1), q0.size(2), q0.size(3), v0.size(3)};
+    const at::Tensor q = aligned_contiguous(q0), k = aligned_contiguous(k0), v = aligned_contiguous(v0);
+    const at::Tensor kc = compact_keys(k, d.L, stride), vc = compact_keys(v, d.L, stride);
+    const at::Tensor band = dilated_band(d.B, d.H, d.L, keys, stride, window, q.device());
+    at::Tensor o1 = new_output({d.B, d.L, d.H, d.Dv}, q.options()), o2 = new_output({d.B, d.L, d.H, d.Dv}, q.options());
+    at::Tensor lse1 = new_output({d.B, d.H, d.L}, q.options().dtype(at::kFloat)), lse2 = new_output_like(lse1);
+    CausalAttentionParams wp = kernel_params(d, window, scale, q, k, v, {}), dp = kernel_params(d, 0, scale, q, kc, vc, band);
+    wp.out = o1.data_ptr(), wp.lse = lse1.data_ptr(), dp.out = o2.data_ptr(), dp.lse = lse2.data_ptr();
+    HAX_CUDA_LAUNCH(kOp, q, {
+      causal_attention_forward_cuda(wp, DType::kBF16, cuda_stream(q));
+      causal_attention_forward_cuda(dp, DType::kBF16, cuda_stream(q));
+    });
+    const at::Tensor out = join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2.unsqueeze(-1));
+    const at::Tensor lse = at::logaddexp(lse1, lse2);
+    ctx->saved_data["keys"] = keys;
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["scale"] = scale;
+    ctx->save_for_backward({q, k, v, kc, vc, band, out, lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const at::Tensor &q = s[0], &k = s[1], &v = s[2], &kc = s[3], &vc = s[4], &band = s[5], &out = s[6], &lse = s[7];
+    const int64_t keys = ctx->saved_data["keys"].toInt(), stride = ctx->saved_data["stride"].toInt();
+    const int64_t window = ctx->saved_data["window"].toInt();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const QkvDims d{q.size(0), q.size(1), q.size(2), q.size(3), v.size(3)};
+    const int64_t Lk = d.L / stride;
+    const at::Tensor dout =
+        grads[0].defined() ? aligned_contiguous(grads[0].to(out.scalar_type())) : at::zeros_like(out);
+    const at::Tensor dlse = grads[1].defined() ? grads[1].to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor dq = new_output_like(q), dk = new_output_like(k), dv = new_output_like(v);
+    at::Tensor dq2 = new_output_like(q), dkc = new_output_like(kc), dvc = new_output_like(vc);
+    // Each part's backward with the union's out and lse (Δ = dO·O - dlse of the union).
+    auto grad_params = [&](const CausalAttentionParams& fwd, at::Tensor& gq, at::Tensor& gk, at::Tensor& gv) {
+      CausalAttentionGradParams gp;
+      gp.fwd = fwd;
+      gp.fwd.out = out.data_ptr(), gp.fwd.lse = lse.data_ptr();
+      gp.dout = dout.data_ptr();
+      gp.dlse = dlse.defined() ? dlse.data_ptr() : nullptr;
+      gp.dq = gq.data_ptr(), gp.dk = gk.data_ptr(), gp.dv = gv.data_ptr();
+      return gp;
+    };
+    CausalAttentionGradParams wg = grad_params(kernel_params(d, window, scale, q, k, v, {}), dq, dk, dv);
+    CausalAttentionGradParams dg = grad_params(kernel_params(d, 0, scale, q, kc, vc, band), dq2, dkc, dvc);
+    dg.key_rows = Lk, dg.dkdv_splits = band_splits(d.L, keys, stride, window);
+    const auto f32 = q.options().dtype(at::kFloat);
+    at::Tensor delta1 = at::empty({causal_attention_cuda_workspace(wg.fwd)}, f32), delta2 = at::empty_like(delta1);
+    at::Tensor partial = at::empty({causal_attention_partial_entries(dg)}, f32);
+    wg.workspace = delta1.data_ptr(), dg.workspace = delta2.data_ptr();
+    dg.partial = dg.dkdv_splits > 1 ? partial.data_ptr<float>() : nullptr;
+    HAX_CUDA_LAUNCH(kOp, q, {
+      causal_attention_backward_cuda(wg, DType::kBF16, cuda_stream(q));
+      causal_attention_backward_cuda(dg, DType::kBF16, cuda_stream(q));
+    });
+    dq.add_(dq2);
+    dk.slice(1, stride - 1, d.L, stride).add_(dkc.narrow(1, 0, Lk));
+    dv.slice(1, stride - 1, d.L, stride).add_(dvc.narrow(1, 0, Lk));
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 // The dilated keys outside the window: the causal kernels over the compacted keys padded to L
 // rows, with dilated_band's visibility.
 std::tuple<at::Tensor, at::Tensor> dilated_part(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const QkvDims& d, int64_t keys, int64_t stride, int64_t window,
-                                                     double scale) {
-  // The compacted dilated keys k[:, r-1::r] (L / r rows), padded with zero rows to L: the band
-  // never lets a query see a padding row, but the tile holding the last real key loads some.
-  const int64_t Lk = d.L / stride;
-  auto compact = [&](const at::Tensor& t) {
-    return at::constant_pad_nd(t.slice(1, stride - 1, d.L, stride), {0, 0, 0, 0, 0, d.L - Lk});
-  };
+                                                const QkvDims& d, int64_t keys, int64_t stride, int64_t window,
+                                                double scale) {
   const at::Tensor band = dilated_band(d.B, d.H, d.L, keys, stride, window, q.device());
-  // A tile of 64 compacted keys is seen by about (64 + keys) r queries: their tiles are split
-  // over blocks of about 16 tiles each (the partial sums cost splits x Lk rows of float32, so
-  // at most 2 L rows).
-  const int64_t tiles = std::min(d.L, (kCausalKeyTile + keys) * stride + window) / kCausalKeyTile + 2;
-  const int64_t most = std::clamp<int64_t>(2 * d.L / std::max<int64_t>(Lk, kCausalKeyTile), 1, 4096);
-  const int64_t splits = std::clamp<int64_t>((tiles + 15) / 16, 1, most);
-  return causal_attention(q, compact(k), compact(v), {}, 0, scale, band, Lk, splits);
+  return causal_attention(q, compact_keys(k, d.L, stride), compact_keys(v, d.L, stride), {}, 0, scale, band,
+                          d.L / stride, band_splits(d.L, keys, stride, window));
 }
 
 // The block-tile form on checked inputs of sizes d.
@@ -146,6 +232,10 @@ std::tuple<at::Tensor, at::Tensor> tiles_form(const at::Tensor& q, const at::Ten
   clamp_sizes(d.L, keys, stride, window);
   if (window > 0 && !dilated_part_nonempty(d.L, keys, stride, window))
     return causal_attention(q, k, v, {}, window, scale);  // the window covers every D(i)
+  if (window > 0 && q.is_cuda() && q.scalar_type() == at::kBFloat16 && causal_attention_tensor_cores()) {
+    auto r = WindowDilatedFunction::apply(q, k, v, keys, stride, window, scale);
+    return {r[0], r[1]};
+  }
   auto [o2, lse2] = dilated_part(q, k, v, d, keys, stride, window, scale);
   if (window == 0) return {o2, lse2};
   auto [o1, lse1] = causal_attention(q, k, v, {}, window, scale);
@@ -165,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> dilated_attention(const at::Tensor& q, const 
   if (autocast_cast_needed({q, k, v}))
     return dilated_attention(autocast_cast(q), autocast_cast(k), autocast_cast(v), keys, stride, window, scale);
   const QkvDims d = check_inputs(q, k, v, keys, stride, window, scale);
-  if (dilated_attention_native(q, k, v, window) && q.scalar_type() == at::kBFloat16)
+  if (dilated_attention_native(q, v) && q.scalar_type() == at::kBFloat16)
     return tiles_form(q, k, v, d, keys, stride, window, scale);
   const at::Tensor idx = dilated_lists(d.B, d.H, d.L, keys, stride, window, q.device());
   auto [out, lse] = sparse_attention(q, k, v, idx, {}, {}, {}, scale);

@@ -19,21 +19,23 @@
 //     and key m is seen by the queries
 //       i in [(m + 1) r + window - 1, min(L - 1, (m + keys + 1) r - 2)];
 //   - the two disjoint parts joined by their log-sum-exps (ops::join_by_lse).
-// It is differentiable (autograd through the three ops and the compaction). The band's keys are
-// each seen by about (keys + 64) r queries, all L of them when the dilation spans the sequence
+// D alone is differentiable by autograd through the op and the compaction; SW+D's backward
+// (WindowDilatedFunction, bfloat16 on CUDA) runs each part's causal backward with the union's out
+// and lse, as ops/a_shaped_attention does, and adds the parts' gradients. The band's keys are each
+// seen by about (keys + 64) r queries, all L of them when the dilation spans the sequence
 // (r = L / keys, the benchmark's), so the causal dK/dV kernel splits each key tile's query tiles
 // over several blocks (causal_attention's dkdv_splits) and gives blocks only to the compacted rows
 // (key_rows). On an H100 (BENCHMARKS.md, twenty-fourth pass; 16 heads, head dim 64, k = 64), fwd /
 // fwd+bwd ms, block tiles against the lists:
-//   D     16K 0.328 / 0.680 against 0.265 / 0.535; 64K 0.371 / 0.973 against 0.941 / 1.925;
-//         256K 1.113 / 3.468 against 3.682 / 7.397;
-//   SW+D  64K 0.726 / 3.025 against 1.340 / 2.950; 256K 2.634 / 10.718 against 5.236 / 11.372.
-// At 16K and below the block tiles are host-bound (about 30 LibTorch operations a call). So
-// dilated_attention takes them from L = kDilatedTilesMinLength on, for D always and for SW+D
-// (whose backward adds a second attention, the join and the summed gradients) without gradients
-// only (dilated_attention_native); the lists path (ops::sparse_attention's tile plan over the
-// union's lists, the definition) serves the rest, the CPU and float32. HAX_D_KERNELS=0 keeps the
-// lists everywhere, 2 takes the block tiles wherever they run (for comparisons).
+//   D     16K 0.328 / 0.680 against 0.265 / 0.535; 64K 0.354 / 0.944 against 0.941 / 1.893;
+//         256K 1.094 / 3.372 against 3.658 / 7.365;
+//   SW+D  16K 0.371 / 0.766 against 0.387 / 0.807; 64K 0.754 / 2.132 against 1.350 / 2.957;
+//         256K 2.455 / 7.101 against 5.327 / 11.421.
+// At 16K and below D's block tiles are host-bound (about 30 LibTorch operations a call), so
+// dilated_attention takes them from L = kDilatedTilesMinLength on (dilated_attention_native); the
+// lists path (ops::sparse_attention's tile plan over the union's lists, the definition) serves
+// shorter rows, the CPU and float32. HAX_D_KERNELS=0 keeps the lists everywhere, 2 takes the block
+// tiles wherever they run (for comparisons).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -45,9 +47,8 @@ namespace hax::ops {
 constexpr int64_t kDilatedTilesMinLength = 32768;
 
 // Whether dilated_attention takes the block-tile form (see above): CUDA, bfloat16 or autocast,
-// head dims up to 128, L >= kDilatedTilesMinLength, and for window > 0 no gradient wanted (grad
-// mode off, or no input requires one).
-bool dilated_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window);
+// head dims up to 128, L >= kDilatedTilesMinLength.
+bool dilated_attention_native(const at::Tensor& q, const at::Tensor& v);
 
 // Differentiable in q, k, v (through both outputs). q, k (B, L, H, D), v (B, L, H, Dv); keys >= 1,
 // stride >= 1, window >= 0, scale > 0. Returns (out (B, L, H, Dv), lse (B, H, L)); lse is float32
