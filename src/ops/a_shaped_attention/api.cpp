@@ -31,17 +31,6 @@ Dims check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return d;
 }
 
-CausalAttentionParams window_params(const Dims& d, int64_t window, double scale, const at::Tensor& q,
-                                    const at::Tensor& k, const at::Tensor& v) {
-  CausalAttentionParams p;
-  p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
-  p.window = window;
-  p.scale = scale;
-  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
-  p.tensor_cores = true;
-  return p;
-}
-
 ASinkParams sink_params(const Dims& d, int64_t window, int64_t sink, double scale, const at::Tensor& q,
                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse) {
   ASinkParams p;
@@ -68,7 +57,7 @@ struct AShapedFunction : public torch::autograd::Function<AShapedFunction> {
     at::Tensor lse = new_output({d.B, d.H, d.L}, q.options().dtype(at::kFloat));
     if (d.B * d.H * d.L > 0) {
       // The window's tiles and the sink's (one 64-key tile) in one pass of the causal forward.
-      CausalAttentionParams wp = window_params(d, window, scale, q, k, v);
+      CausalAttentionParams wp = causal_attention_params(d, window, scale, q, k, v);
       wp.sink = sink;
       wp.out = out.data_ptr(), wp.lse = lse.data_ptr();
       HAX_CUDA_LAUNCH(kOp, q, causal_attention_forward_cuda(wp, DType::kBF16, cuda_stream(q)));
@@ -92,7 +81,7 @@ struct AShapedFunction : public torch::autograd::Function<AShapedFunction> {
     at::Tensor dq = new_output_like(q), dk = new_output_like(k), dv = new_output_like(v);
     if (d.B * d.H * d.L > 0) {
       CausalAttentionGradParams gp;
-      gp.fwd = window_params(d, window, scale, q, k, v);
+      gp.fwd = causal_attention_params(d, window, scale, q, k, v);
       gp.fwd.out = out.data_ptr(), gp.fwd.lse = lse.data_ptr();
       gp.dout = dout.data_ptr();
       gp.dlse = dlse.defined() ? dlse.data_ptr() : nullptr;

@@ -49,13 +49,8 @@ at::Tensor check_band(const at::Tensor& band, const Dims& d, const at::Tensor& q
 CausalAttentionParams make_params(const Dims& d, int64_t window, double scale, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq,
                                   const at::Tensor& band) {
-  CausalAttentionParams p;
-  p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
-  p.window = window;
-  p.scale = scale;
-  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  CausalAttentionParams p = causal_attention_params(d, window, scale, q, k, v, band);
   p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
-  p.band = band.defined() ? band.data_ptr<int32_t>() : nullptr;
   p.tensor_cores = g_tensor_cores.load();
   return p;
 }
@@ -136,6 +131,18 @@ struct CausalAttentionFunction : public torch::autograd::Function<CausalAttentio
 };
 
 }  // namespace
+
+CausalAttentionParams causal_attention_params(const QkvDims& d, int64_t window, double scale, const at::Tensor& q,
+                                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& band) {
+  CausalAttentionParams p;
+  p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
+  p.window = window;
+  p.scale = scale;
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.band = band.defined() ? band.data_ptr<int32_t>() : nullptr;
+  p.tensor_cores = true;
+  return p;
+}
 
 void set_causal_attention_tensor_cores(bool on) { g_tensor_cores.store(on); }
 bool causal_attention_tensor_cores() { return g_tensor_cores.load(); }

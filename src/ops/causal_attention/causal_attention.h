@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "ops/causal_attention/params.h"
+#include "ops/check.h"
 
 namespace hax::ops {
 
@@ -38,6 +39,12 @@ std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const a
                                                     const at::Tensor& seq_idx, int64_t window, double scale,
                                                     const at::Tensor& band = {}, int64_t key_rows = 0,
                                                     int64_t dkdv_splits = 1);
+
+// The kernels' parameters for contiguous q, k, v of sizes d (no seq_idx; out, lse and the sink
+// left unset), for bindings that call causal_attention_forward_cuda / _backward_cuda themselves
+// (ops/a_shaped_attention, ops/dilated_attention, whose fast paths need the tensor-core tiles: on).
+CausalAttentionParams causal_attention_params(const QkvDims& d, int64_t window, double scale, const at::Tensor& q,
+                                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& band = {});
 
 // Dense masked-softmax reference with LibTorch ops (test oracle; float64, small L); with a band as
 // above (parts 0 and 1 define it).

@@ -127,18 +127,6 @@ int64_t band_splits(int64_t L, int64_t keys, int64_t stride, int64_t window) {
   return std::clamp<int64_t>((tiles + 15) / 16, 1, most);
 }
 
-CausalAttentionParams kernel_params(const QkvDims& d, int64_t window, double scale, const at::Tensor& q,
-                                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& band) {
-  CausalAttentionParams p;
-  p.batch = d.B, p.seqlen = d.L, p.nheads = d.H, p.dim = d.D, p.vdim = d.Dv;
-  p.window = window;
-  p.scale = scale;
-  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
-  p.band = band.defined() ? band.data_ptr<int32_t>() : nullptr;
-  p.tensor_cores = true;
-  return p;
-}
-
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -157,7 +145,8 @@ struct WindowDilatedFunction : public torch::autograd::Function<WindowDilatedFun
     const at::Tensor band = dilated_band(d.B, d.H, d.L, keys, stride, window, q.device());
     at::Tensor o1 = new_output({d.B, d.L, d.H, d.Dv}, q.options()), o2 = new_output({d.B, d.L, d.H, d.Dv}, q.options());
     at::Tensor lse1 = new_output({d.B, d.H, d.L}, q.options().dtype(at::kFloat)), lse2 = new_output_like(lse1);
-    CausalAttentionParams wp = kernel_params(d, window, scale, q, k, v, {}), dp = kernel_params(d, 0, scale, q, kc, vc, band);
+    CausalAttentionParams wp = causal_attention_params(d, window, scale, q, k, v);
+    CausalAttentionParams dp = causal_attention_params(d, 0, scale, q, kc, vc, band);
     wp.out = o1.data_ptr(), wp.lse = lse1.data_ptr(), dp.out = o2.data_ptr(), dp.lse = lse2.data_ptr();
     HAX_CUDA_LAUNCH(kOp, q, {
       causal_attention_forward_cuda(wp, DType::kBF16, cuda_stream(q));
@@ -196,8 +185,8 @@ struct WindowDilatedFunction : public torch::autograd::Function<WindowDilatedFun
       gp.dq = gq.data_ptr(), gp.dk = gk.data_ptr(), gp.dv = gv.data_ptr();
       return gp;
     };
-    CausalAttentionGradParams wg = grad_params(kernel_params(d, window, scale, q, k, v, {}), dq, dk, dv);
-    CausalAttentionGradParams dg = grad_params(kernel_params(d, 0, scale, q, kc, vc, band), dq2, dkc, dvc);
+    CausalAttentionGradParams wg = grad_params(causal_attention_params(d, window, scale, q, k, v), dq, dk, dv);
+    CausalAttentionGradParams dg = grad_params(causal_attention_params(d, 0, scale, q, kc, vc, band), dq2, dkc, dvc);
     dg.key_rows = Lk, dg.dkdv_splits = band_splits(d.L, keys, stride, window);
     const auto f32 = q.options().dtype(at::kFloat);
     at::Tensor delta1 = at::empty({causal_attention_cuda_workspace(wg.fwd)}, f32), delta2 = at::empty_like(delta1);
