@@ -51,7 +51,7 @@ struct AShapedFunction : public torch::autograd::Function<AShapedFunction> {
   static variable_list forward(AutogradContext* ctx, at::Tensor q0, at::Tensor k0, at::Tensor v0, int64_t window,
                                int64_t sink, double scale) {
     ctx->set_materialize_grads(false);
-    const Dims d = check_inputs(q0, k0, v0, window, sink, scale);
+    const Dims d{q0.size(0), q0.size(1), q0.size(2), q0.size(3), v0.size(3)};  // checked by a_shaped_attention
     const at::Tensor q = aligned_contiguous(q0), k = aligned_contiguous(k0), v = aligned_contiguous(v0);
     at::Tensor out = new_output({d.B, d.L, d.H, d.Dv}, q.options());
     at::Tensor lse = new_output({d.B, d.H, d.L}, q.options().dtype(at::kFloat));
