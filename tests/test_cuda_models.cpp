@@ -58,7 +58,101 @@ at::Tensor training_loss(LanguageModel& m, const at::Tensor& ids, const at::Tens
   return loss;
 }
 
+// Deterministic mode (ops::set_deterministic) for a scope, off again at its end.
+struct DeterministicScope {
+  DeterministicScope() { ops::set_deterministic(true); }
+  ~DeterministicScope() { ops::set_deterministic(false); }
+};
+
+// A run of `steps` AdamW steps of a fresh GPU model (seeded) on fixed random packed batches, in
+// float32 or under bf16 autocast: each step's loss, then the parameters and their last gradients.
+struct StepsRun {
+  std::vector<at::Tensor> losses;
+  std::map<std::string, at::Tensor> params, grads;
+};
+StepsRun run_steps(const ModelConfig& c, const std::string& precision, int steps) {
+  torch::manual_seed(41);
+  auto m = std::make_shared<LanguageModel>(c);
+  m->to(kGpu);
+  AdamW opt(m->state_tensors(), {});
+  StepsRun r;
+  for (int step = 0; step < steps; ++step) {
+    torch::manual_seed(42 + step);
+    at::Tensor ids = at::randint(0, 29, {4, 150}, at::kLong);
+    at::Tensor seq = hax::testing::random_packing(4, 150, 0.02);
+    opt.zero_grad();
+    at::Tensor loss;
+    {
+      AutocastScope autocast(precision, kGpu);
+      loss = training_loss(*m, ids, seq, 7 + step);
+    }
+    loss.backward();
+    opt.step(3e-3);
+    r.losses.push_back(loss.detach().cpu());
+  }
+  for (auto& [name, p] : m->state_tensors()) {
+    r.params[name] = p.detach().cpu();
+    if (p.grad().defined()) r.grads[name] = p.grad().cpu();
+  }
+  return r;
+}
+
 }  // namespace
+
+TEST(CudaTrain, DeterministicModeGivesBitIdenticalRunsForEveryVariant) {
+  // --deterministic promises bit-identical reruns: every variant, in float32 and bf16 autocast,
+  // run twice from the same seed and batches, gives the same losses, gradients and weights to the
+  // bit (hax's kernels sum in a fixed order, and LibTorch's own ops take their deterministic forms).
+  HAX_REQUIRE_CUDA();
+  DeterministicScope on;
+  for (const auto& v : all_variants()) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      SCOPED_TRACE(name_of(v) + " " + precision);
+      try {
+        const ModelConfig c = hybrid_config(v.first, v.second);
+        StepsRun a = run_steps(c, precision, 3), b = run_steps(c, precision, 3);
+        for (size_t k = 0; k < a.losses.size(); ++k) EXPECT_TRUE(at::equal(a.losses[k], b.losses[k])) << "loss " << k;
+        for (auto& [name, p] : a.grads) EXPECT_TRUE(at::equal(p, b.grads.at(name))) << name << " gradient";
+        for (auto& [name, p] : a.params) EXPECT_TRUE(at::equal(p, b.params.at(name))) << name;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << std::string(e.what()).substr(0, 400);
+      }
+    }
+  }
+}
+
+TEST(CudaTrain, DeterministicTrainRunsWriteIdenticalCheckpoints) {
+  // hax train --device cuda --deterministic, twice: the same metrics and, to the bit, the same
+  // last checkpoint (weights and optimizer state), for the sparse patterns built on the GPU.
+  HAX_REQUIRE_CUDA();
+  for (const char* sparse : {"hax", "hsa"}) {
+    SCOPED_TRACE(sparse);
+    auto run_once = [&](const std::string& dir) {
+      hax::testing::remove_tree(dir);
+      RunConfig run;
+      run.model.mixer = "mamba2", run.model.d_model = 32, run.model.n_layers = 2, run.model.sparse = sparse;
+      run.model.sparse_keys = 16, run.model.chunk_size = 32, run.model.hsa_chunk = 16, run.model.hsa_topk = 2;
+      run.task.nc_min = 2, run.task.nc_max = 3, run.task.nk_min = 2, run.task.nk_max = 3;
+      run.train.run_dir = dir, run.train.device = "cuda", run.train.precision = "bf16", run.train.deterministic = true;
+      run.train.steps = 20, run.train.batch_size = 16, run.train.lr = 3e-3, run.train.warmup_steps = 5;
+      run.train.eval_every = 10, run.train.save_every = 10, run.train.n_valid = 32, run.train.n_test = 32;
+      run.train.progress = false, run.train.log_every = 5;
+      run.config_text = "# test\n";
+      return train(run);
+    };
+    const std::string d1 = ::testing::TempDir() + "hax_det_a", d2 = ::testing::TempDir() + "hax_det_b";
+    TrainSummary s1 = run_once(d1), s2 = run_once(d2);
+    ops::set_deterministic(false);
+    ASSERT_EQ(s1.steps_done, 20);
+    EXPECT_EQ(s1.test_loss, s2.test_loss);
+    EXPECT_EQ(s1.test_acc, s2.test_acc);
+    Checkpoint c1 = read_checkpoint(last_checkpoint_path(d1)), c2 = read_checkpoint(last_checkpoint_path(d2));
+    ASSERT_EQ(c1.file.tensors.size(), c2.file.tensors.size());
+    EXPECT_TRUE(c1.has_optimizer);
+    for (const auto& [name, a] : c1.file.tensors) EXPECT_TRUE(at::equal(a, c2.file.tensors.at(name))) << name;
+    hax::testing::remove_tree(d1), hax::testing::remove_tree(d2);
+  }
+}
 
 TEST(CudaModels, EveryVariantMatchesCpuLossAndGradients) {
   HAX_REQUIRE_CUDA();

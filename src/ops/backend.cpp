@@ -1,11 +1,14 @@
 #include "ops/backend.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <climits>
 #include <limits>
+#include <string>
 
 #include "core/error.h"
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
@@ -99,7 +102,13 @@ at::Tensor autocast_cast(const at::Tensor& t) {
   return t.defined() && at::isFloatingType(t.scalar_type()) ? t.to(at::kBFloat16) : t;
 }
 
-void set_deterministic(bool on) { g_deterministic.store(on); }
+void set_deterministic(bool on) {
+  g_deterministic.store(on);
+  const char* e = std::getenv("HAX_TORCH_DETERMINISTIC");
+  const bool torch_too = on && !(e && std::string(e) == "0");
+  if (torch_too) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(torch_too, /*warn_only=*/false);
+}
 bool deterministic() { return g_deterministic.load(); }
 
 void set_poison_outputs(bool on) { g_poison.store(on); }

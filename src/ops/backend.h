@@ -37,7 +37,12 @@ bool poison_outputs();
 
 // Deterministic mode (hax train --deterministic): backward kernels that would sum with float atomics
 // (whose order varies run to run) use a fixed-order reduction instead. Off by default on CUDA; the
-// CPU kernels are always deterministic.
+// CPU kernels are always deterministic. It also switches LibTorch's deterministic algorithms on or
+// off (its own ops on CUDA: gather's and index_select's backward, index_add, ...; an op
+// without a deterministic form then fails with LibTorch's error instead of varying silently), and,
+// turning it on, sets CUBLAS_WORKSPACE_CONFIG=:4096:8 where the environment does not set it
+// (LibTorch refuses cuBLAS calls in that mode without it). HAX_TORCH_DETERMINISTIC=0 leaves
+// LibTorch's setting off (only hax's kernels are then deterministic), for an op LibTorch refuses.
 void set_deterministic(bool on);
 bool deterministic();
 
