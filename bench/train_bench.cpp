@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "eval/table1.h"
 #include "models/lm.h"
+#include "ops/backend.h"
 #include "ops/check.h"
 #include "tasks/batch.h"
 #include "tasks/registry.h"
@@ -39,6 +40,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
   report["config"] = {{"batch", cfg.batch}, {"length", len}, {"steps", cfg.steps}, {"warmup", cfg.warmup},
                       {"sparse_keys", cfg.sparse_keys}, {"chunk_size", cfg.chunk_size}, {"precision", cfg.precision},
                       {"host_sync", cfg.host_sync}, {"graphs", cfg.graphs}, {"seeds", cfg.seeds},
+                      {"deterministic", cfg.deterministic},
                       {"fused_optimizer", gpu && !cfg.host_sync && fused_optimizer_built()}};
   fmt::print("hax bench train: {}, joint recall, batch {} x {} tokens (packed rows), {}; {} timed steps after {} "
              "warm-up steps (data prepared beforehand); {}\n",
@@ -46,14 +48,21 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
              cfg.precision, cfg.steps, cfg.warmup,
              cfg.host_sync ? "host reads the metrics every step, per-tensor optimizer"
                            : "metrics read at the end, fused optimizer on CUDA");
-  const bool checks_were = ops::check_device_values();
+  if (cfg.deterministic) fmt::print("deterministic mode, as hax train --deterministic: eager steps only\n");
+  const bool checks_were = ops::check_device_values(), deterministic_was = ops::deterministic();
   ops::set_check_device_values(cfg.host_sync || checks_were);
-  // The step kinds timed: eager, and (CUDA, fused optimizer) replayed from CUDA graphs.
+  // The step kinds timed: eager, and (CUDA, fused optimizer, not deterministic) replayed from CUDA graphs.
   std::vector<bool> graph_modes;
   if (cfg.graphs != "on") graph_modes.push_back(false);
-  if (cfg.graphs != "off" && gpu && !cfg.host_sync && fused_optimizer_built()) graph_modes.push_back(true);
-  HAX_CHECK(!graph_modes.empty(), "--graphs on: CUDA graphs need --device cuda, the fused optimizer (LibTorch >= 2.4) "
-            "and no --host-sync");
+  if (cfg.graphs != "off" && gpu && !cfg.host_sync && !cfg.deterministic && fused_optimizer_built())
+    graph_modes.push_back(true);
+  HAX_CHECK(!graph_modes.empty(), "--graphs on: CUDA graphs need --device cuda, the fused optimizer (LibTorch >= 2.4), "
+            "no --host-sync and no --deterministic (its steps run eagerly)");
+  ops::set_deterministic(cfg.deterministic);
+  struct Restore {  // the process's settings again on every exit
+    bool det;
+    ~Restore() { ops::set_deterministic(det); }
+  } restore{deterministic_was};
   fmt::print("{:<14} {:<7} {:>10} {:>10} {:>12} {:>10} {:>9}\n", "variant", "step", "params", "ms/step", "steps/s",
              "peak MB", "captures");
   // Batches are prepared once (the trainer builds them on the CPU, overlapping nothing).

@@ -31,6 +31,9 @@ struct TrainBenchConfig {
   // Which steps to time: "both" (eager, then replayed from CUDA graphs where they can run),
   // "off" (eager only) or "on" (graphs only).
   std::string graphs = "both";
+  // The steps as `hax train --deterministic` runs them: hax's backward kernels in fixed order and
+  // LibTorch's deterministic ops (ops::set_deterministic), eager steps only (as the trainer does).
+  bool deterministic = false;
   // After timing, count the LibTorch operator calls of two more steps and print the `op_counts`
   // most frequent (0: don't count). The counting slows those steps; they are not timed.
   int op_counts = 0;

@@ -8,6 +8,7 @@
 #include "cli_runner.h"
 #include "core/atomic_file.h"
 #include "core/safetensors.h"
+#include "ops/backend.h"
 
 using hax::testing::CliResult;
 using hax::testing::expect_cli_error;
@@ -204,5 +205,23 @@ TEST(Cli, BenchTrainTimesEachSeedAndReportsTheirMedian) {
   EXPECT_DOUBLE_EQ(s["steps_per_s_max"].get<double>(), rates[2]);
   EXPECT_NE(r.out.find("median"), std::string::npos) << r.out;
   expect_cli_error({"bench", "train", "--seeds", "0"}, "--seeds 0 must be in 1..100");
+  hax::testing::remove_tree(dir);
+}
+
+TEST(Cli, BenchTrainDeterministicTimesEagerStepsAndRestoresTheMode) {
+  // --deterministic times the steps as hax train --deterministic runs them (eager only), says so in
+  // the JSON, and leaves the process's deterministic mode as it found it.
+  const std::string dir = temp_dir("bench_train_det");
+  const std::string out = dir + "/bench.json";
+  ASSERT_FALSE(hax::ops::deterministic());
+  CliResult r = run_hax({"bench", "train", "--device", "cpu", "--variants", "mamba2+hax", "--batch", "2", "--steps",
+                         "1", "--warmup", "0", "--deterministic", "--threads", "2", "--json", out});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_FALSE(hax::ops::deterministic());
+  const auto j = nlohmann::json::parse(slurp(out));
+  EXPECT_TRUE(j["config"]["deterministic"].get<bool>());
+  ASSERT_EQ(j["results"].size(), 1u);
+  EXPECT_FALSE(j["results"][0]["cuda_graphs"].get<bool>());
+  expect_cli_error({"bench", "train", "--graphs", "on", "--deterministic"}, "no --deterministic (its steps run eagerly)");
   hax::testing::remove_tree(dir);
 }

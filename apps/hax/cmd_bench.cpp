@@ -99,6 +99,9 @@ Command add_bench_command(CLI::App& app) {
   tr->add_option("--graphs", tr_st->cfg.graphs,
                  "both, on or off: time the steps eagerly and/or replayed from CUDA graphs (train/step_graph.h; "
                  "CUDA with the fused optimizer)");
+  tr->add_flag("--deterministic", tr_st->cfg.deterministic,
+               "time the steps as hax train --deterministic runs them (fixed-order backward sums, LibTorch's "
+               "deterministic ops; eager steps only)");
   tr->add_option("--op-counts", tr_st->cfg.op_counts,
                  "after timing, count the LibTorch operator calls of two more steps and list the N most frequent "
                  "(where a GPU step's launches go)");
