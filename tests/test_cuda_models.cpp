@@ -58,12 +58,6 @@ at::Tensor training_loss(LanguageModel& m, const at::Tensor& ids, const at::Tens
   return loss;
 }
 
-// Deterministic mode (ops::set_deterministic) for a scope, off again at its end.
-struct DeterministicScope {
-  DeterministicScope() { ops::set_deterministic(true); }
-  ~DeterministicScope() { ops::set_deterministic(false); }
-};
-
 // A run of `steps` AdamW steps of a fresh GPU model (seeded) on fixed random packed batches, in
 // float32 or under bf16 autocast: each step's loss, then the parameters and their last gradients.
 struct StepsRun {
@@ -104,7 +98,7 @@ TEST(CudaTrain, DeterministicModeGivesBitIdenticalRunsForEveryVariant) {
   // run twice from the same seed and batches, gives the same losses, gradients and weights to the
   // bit (hax's kernels sum in a fixed order, and LibTorch's own ops take their deterministic forms).
   HAX_REQUIRE_CUDA();
-  DeterministicScope on;
+  hax::testing::DeterministicGuard on(true);
   for (const auto& v : all_variants()) {
     for (const char* precision : {"fp32", "bf16"}) {
       SCOPED_TRACE(name_of(v) + " " + precision);
@@ -141,8 +135,8 @@ TEST(CudaTrain, DeterministicTrainRunsWriteIdenticalCheckpoints) {
       return train(run);
     };
     const std::string d1 = ::testing::TempDir() + "hax_det_a", d2 = ::testing::TempDir() + "hax_det_b";
+    hax::testing::DeterministicGuard restore(false);  // train() turns the mode on: as before again at the end
     TrainSummary s1 = run_once(d1), s2 = run_once(d2);
-    ops::set_deterministic(false);
     ASSERT_EQ(s1.steps_done, 20);
     EXPECT_EQ(s1.test_loss, s2.test_loss);
     EXPECT_EQ(s1.test_acc, s2.test_acc);

@@ -439,13 +439,6 @@ TEST(SparseAttention, BadInputsNameTheTensor) {
 
 namespace {
 
-// Sets ops::deterministic() for a scope.
-struct DeterministicGuard {
-  bool before = hax::ops::deterministic();
-  explicit DeterministicGuard(bool on) { hax::ops::set_deterministic(on); }
-  ~DeterministicGuard() { hax::ops::set_deterministic(before); }
-};
-
 // The GPU sweep's case `variant` (0..3) at L queries and head dim D: the rest varies by variant.
 // 0: plain (B = H = 1, one segment, sliding windows, no bias, weights or order);
 // 1: everything (B = 2, H = 3, Lk != L, odd Dv (scalar loads), S = 3 of K = 7 random keys, bias,

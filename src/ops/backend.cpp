@@ -1,8 +1,8 @@
 #include "ops/backend.h"
 
 #include <atomic>
-#include <cstdlib>
 #include <climits>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
