@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include "core/error.h"
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace hax::testing {
@@ -30,6 +32,29 @@ inline Tensors random_qkv(int64_t B, int64_t L, int64_t H, int64_t D, int64_t Dv
   const auto o = at::TensorOptions().dtype(dtype);
   return {at::randn({B, L, H, D}, o).requires_grad_(), at::randn({B, L, H, D}, o).requires_grad_(),
           at::randn({B, L, H, Dv}, o).requires_grad_()};
+}
+
+// An attention op as the harness calls it: (q, k, v, scale) -> (out, lse).
+using QkvAttention = std::function<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                      const at::Tensor&, double)>;
+
+// The OpCase of such an op and its reference on random_qkv inputs, scale 1/sqrt(D): outputs out
+// and lse (out only with out_only), lse passed through lse_map when one is given (for instance to
+// make the -inf of queries without keys comparable).
+inline OpCase qkv_attention_case(const std::string& name, int64_t B, int64_t L, int64_t H, int64_t D, int64_t Dv,
+                                 QkvAttention op, QkvAttention reference, bool out_only,
+                                 std::function<at::Tensor(const at::Tensor&)> lse_map = {}) {
+  OpCase c;
+  c.name = name + (out_only ? " (out only)" : "");
+  c.make_inputs = [=](at::ScalarType dt) { return random_qkv(B, L, H, D, Dv, dt); };
+  const double scale = 1.0 / std::sqrt(double(D));
+  auto outputs = [=](const std::tuple<at::Tensor, at::Tensor>& r) {
+    const at::Tensor& lse = std::get<1>(r);
+    return out_only ? Tensors{std::get<0>(r)} : Tensors{std::get<0>(r), lse_map ? lse_map(lse) : lse};
+  };
+  c.op = [=](const Tensors& in) { return outputs(op(in[0], in[1], in[2], scale)); };
+  c.reference = [=](const Tensors& in) { return outputs(reference(in[0], in[1], in[2], scale)); };
+  return c;
 }
 
 // Max |a - b| / (atol + rtol |b|) over all elements; <= 1 passes.

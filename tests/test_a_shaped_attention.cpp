@@ -28,21 +28,15 @@ std::string describe(const ASize& s) {
 }
 
 OpCase a_case(ASize s, bool out_only = false) {
-  OpCase c;
-  c.name = "a_shaped_attention " + describe(s) + (out_only ? " (out only)" : "");
-  c.make_inputs = [s](at::ScalarType dt) {
-    return random_qkv(s.B, s.L, s.H, s.D, s.Dv, dt);
-  };
-  const double scale = 1.0 / std::sqrt(double(s.D));
-  c.op = [=](const Tensors& in) {
-    auto [out, lse] = a_shaped_attention(in[0], in[1], in[2], s.window, s.sink, scale);
-    return out_only ? Tensors{out} : Tensors{out, lse};
-  };
-  c.reference = [=](const Tensors& in) {
-    auto [out, lse] = a_shaped_attention_reference(in[0], in[1], in[2], s.window, s.sink, scale);
-    return out_only ? Tensors{out} : Tensors{out, lse};
-  };
-  return c;
+  return qkv_attention_case(
+      "a_shaped_attention " + describe(s), s.B, s.L, s.H, s.D, s.Dv,
+      [s](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+        return a_shaped_attention(q, k, v, s.window, s.sink, scale);
+      },
+      [s](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+        return a_shaped_attention_reference(q, k, v, s.window, s.sink, scale);
+      },
+      out_only);
 }
 
 // The error floor of the tensor-core kernels in bfloat16 (P and dS rounded before their second

@@ -43,21 +43,15 @@ std::tuple<at::Tensor, at::Tensor> tiles_on_gpu(const at::Tensor& q, const at::T
 }
 
 OpCase d_case(DSize s, DFn fn = &dilated_attention, bool out_only = false) {
-  OpCase c;
-  c.name = "dilated_attention " + describe(s) + (out_only ? " (out only)" : "");
-  c.make_inputs = [s](at::ScalarType dt) {
-    return random_qkv(s.B, s.L, s.H, s.D, s.Dv, dt);
-  };
-  const double scale = 1.0 / std::sqrt(double(s.D));
-  c.op = [=](const Tensors& in) {
-    auto [out, lse] = fn(in[0], in[1], in[2], s.keys, s.stride, s.window, scale);
-    return out_only ? Tensors{out} : Tensors{out, finite_lse(lse)};
-  };
-  c.reference = [=](const Tensors& in) {
-    auto [out, lse] = dilated_attention_reference(in[0], in[1], in[2], s.keys, s.stride, s.window, scale);
-    return out_only ? Tensors{out} : Tensors{out, finite_lse(lse)};
-  };
-  return c;
+  return qkv_attention_case(
+      "dilated_attention " + describe(s), s.B, s.L, s.H, s.D, s.Dv,
+      [s, fn](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+        return fn(q, k, v, s.keys, s.stride, s.window, scale);
+      },
+      [s](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+        return dilated_attention_reference(q, k, v, s.keys, s.stride, s.window, scale);
+      },
+      out_only, &finite_lse);
 }
 
 // (keys, stride, window): D alone, stride 1 (a window), windows inside, across and past the
