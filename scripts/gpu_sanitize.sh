@@ -2,10 +2,11 @@
 # compute-sanitizer over the GPU tests, as recorded in BENCHMARKS.md (sixth pass). Needs a CUDA
 # build (cmake -S . -B build-d -G Ninja -DCMAKE_BUILD_TYPE=Release -DHAX_CUDA=ON) and a GPU.
 #   memcheck:  every GPU test except the long ones (L = 65537 and *Long*), in two runs:
-#              the op tests (about 1.5 min on an H100) and the model, training and step-graph tests
-#              (about 3 min, plus over 4 min for the two step-graph tests: the first alone took 2.5)
-#   racecheck: 26 small tests that together launch every kernel file using shared memory
-#              (about 1.5 min). racecheck runs about 100 times slower than a plain run, so the
+#              the op tests (about 2 min on an H100) and the model, training and step-graph tests
+#              (about 10 min, 7 of them for the two deterministic-mode training tests, plus over 4
+#              min for the two step-graph tests: the first alone took 2.5)
+#   racecheck: 27 small tests that together launch every kernel file using shared memory
+#              (about 3 min). racecheck runs about 100 times slower than a plain run, so the
 #              larger tests do not fit.
 # Usage: scripts/gpu_sanitize.sh [BUILD_DIR]   (default build-d). Exits non-zero on any error,
 # hazard or failing test.
