@@ -49,7 +49,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
              cfg.host_sync ? "host reads the metrics every step, per-tensor optimizer"
                            : "metrics read at the end, fused optimizer on CUDA");
   if (cfg.deterministic) fmt::print("deterministic mode, as hax train --deterministic: eager steps only\n");
-  const bool checks_were = ops::check_device_values(), deterministic_was = ops::deterministic();
+  const bool checks_were = ops::check_device_values();
   ops::set_check_device_values(cfg.host_sync || checks_were);
   // The step kinds timed: eager, and (CUDA, fused optimizer, not deterministic) replayed from CUDA graphs.
   std::vector<bool> graph_modes;
@@ -58,11 +58,7 @@ nlohmann::json run_train_bench(const TrainBenchConfig& cfg) {
     graph_modes.push_back(true);
   HAX_CHECK(!graph_modes.empty(), "--graphs on: CUDA graphs need --device cuda, the fused optimizer (LibTorch >= 2.4), "
             "no --host-sync and no --deterministic (its steps run eagerly)");
-  ops::set_deterministic(cfg.deterministic);
-  struct Restore {  // the process's settings again on every exit
-    bool det;
-    ~Restore() { ops::set_deterministic(det); }
-  } restore{deterministic_was};
+  const ops::DeterministicScope det_mode(cfg.deterministic);  // (the process's mode again on every exit)
   fmt::print("{:<14} {:<7} {:>10} {:>10} {:>12} {:>10} {:>9}\n", "variant", "step", "params", "ms/step", "steps/s",
              "peak MB", "captures");
   // Batches are prepared once (the trainer builds them on the CPU, overlapping nothing).

@@ -18,13 +18,6 @@ namespace hax::testing {
                                                         : "this build has no CUDA backend");    \
   } while (0)
 
-// Sets ops::deterministic() (and with it LibTorch's deterministic algorithms) for a scope.
-struct DeterministicGuard {
-  bool before = ops::deterministic();
-  explicit DeterministicGuard(bool on) { ops::set_deterministic(on); }
-  ~DeterministicGuard() { ops::set_deterministic(before); }
-};
-
 // Copies inputs to `device` in `dtype` (floating ones; integer ones keep theirs), keeping requires_grad.
 inline Tensors to_device(const Tensors& in, const at::Device& device, at::ScalarType dtype) {
   Tensors out;

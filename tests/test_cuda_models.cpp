@@ -98,7 +98,7 @@ TEST(CudaTrain, DeterministicModeGivesBitIdenticalRunsForEveryVariant) {
   // run twice from the same seed and batches, gives the same losses, gradients and weights to the
   // bit (hax's kernels sum in a fixed order, and LibTorch's own ops take their deterministic forms).
   HAX_REQUIRE_CUDA();
-  hax::testing::DeterministicGuard on(true);
+  hax::ops::DeterministicScope on(true);
   for (const auto& v : all_variants()) {
     for (const char* precision : {"fp32", "bf16"}) {
       SCOPED_TRACE(name_of(v) + " " + precision);
@@ -135,7 +135,7 @@ TEST(CudaTrain, DeterministicTrainRunsWriteIdenticalCheckpoints) {
       return train(run);
     };
     const std::string d1 = ::testing::TempDir() + "hax_det_a", d2 = ::testing::TempDir() + "hax_det_b";
-    hax::testing::DeterministicGuard restore(false);  // train() turns the mode on: as before again at the end
+    hax::ops::DeterministicScope restore(false);  // train() turns the mode on: as before again at the end
     TrainSummary s1 = run_once(d1), s2 = run_once(d2);
     ASSERT_EQ(s1.steps_done, 20);
     EXPECT_EQ(s1.test_loss, s2.test_loss);

@@ -602,7 +602,7 @@ TEST(SparseAttentionCuda, TilePathSmallInstance) {
 // the CPU, and two runs give bit-identical gradients (popular keys included).
 TEST(SparseAttentionCuda, DeterministicModeMatchesCpuAndRepeatsBitForBit) {
   HAX_REQUIRE_CUDA();
-  DeterministicGuard det(true);
+  hax::ops::DeterministicScope det(true);
   torch::manual_seed(35);
   for (int64_t L : {1, 97, 1025})
     for (int64_t D : {16, 64, 128})
@@ -627,7 +627,7 @@ TEST(SparseAttentionCuda, EmptyListsAndShapes) {
   torch::manual_seed(36);
   const at::Device cuda(at::kCUDA, 0);
   for (bool det : {false, true}) {
-    DeterministicGuard guard(det);
+    hax::ops::DeterministicScope guard(det);
     hax::ops::set_poison_outputs(true);
     auto o = at::TensorOptions().dtype(at::kFloat).device(cuda);
     at::Tensor q = at::randn({1, 5, 2, 8}, o).requires_grad_(), k = at::randn({1, 6, 2, 8}, o).requires_grad_();

@@ -45,6 +45,17 @@ bool poison_outputs();
 // LibTorch's setting off (only hax's kernels are then deterministic), for an op LibTorch refuses.
 void set_deterministic(bool on);
 bool deterministic();
+// Sets deterministic mode for a scope and puts the previous mode back when it ends.
+class DeterministicScope {
+ public:
+  explicit DeterministicScope(bool on) : before_(deterministic()) { set_deterministic(on); }
+  ~DeterministicScope() { set_deterministic(before_); }
+  DeterministicScope(const DeterministicScope&) = delete;
+  DeterministicScope& operator=(const DeterministicScope&) = delete;
+
+ private:
+  bool before_;
+};
 
 // Mixed precision (hax train --precision bf16): whether LibTorch's autocast is on for CUDA now.
 bool cuda_autocast_enabled();
