@@ -174,6 +174,16 @@ struct TensorCores {
   ~TensorCores() { hax::ops::set_causal_attention_tensor_cores(before); }
 };
 
+// Runs the tensor-core kernels' second products on wgmma (or on mma.sync) while alive; only the
+// TMA-fed tiles (bfloat16, head dim 64, Hopper) have both forms.
+struct WgmmaProducts {
+  bool before;
+  explicit WgmmaProducts(bool on) : before(hax::ops::causal_attention_wgmma_products()) {
+    hax::ops::set_causal_attention_wgmma_products(on);
+  }
+  ~WgmmaProducts() { hax::ops::set_causal_attention_wgmma_products(before); }
+};
+
 // The case with only `out` as an output: the backward gets no dlse (the layers' use).
 OpCase out_only(CausalSize s) {
   OpCase c = causal_case(s);
@@ -193,12 +203,19 @@ OpCase out_only(CausalSize s) {
 // case's dq/dk reached 2·naive + 2.5e-3 with the FMA tiles, so both use this floor.
 constexpr double kTensorCoreFloor = 5e-3;
 
-// float32 vs the CPU, then bfloat16 vs float64 on both tile families.
+// float32 vs the CPU, then bfloat16 vs float64 on both tile families (tensor cores with their
+// second products on wgmma and on mma.sync).
 void expect_cuda_case(const OpCase& c) {
   expect_cuda_matches_cpu(c, 5e-5, 1e-4);
   {
     TensorCores tc(true);
     SCOPED_TRACE("bfloat16, tensor cores");
+    expect_cuda_bf16_close(c, kTensorCoreFloor);
+  }
+  {
+    TensorCores tc(true);
+    WgmmaProducts w(false);
+    SCOPED_TRACE("bfloat16, tensor cores, second products on mma.sync");
     expect_cuda_bf16_close(c, kTensorCoreFloor);
   }
   {
@@ -262,7 +279,11 @@ TEST(CausalAttentionCuda, LongSequence) {
   expect_cuda_matches_cpu(causal_case({1, 4097, 1, 32, 32, 0, false}), 5e-5, 1e-4);
   expect_cuda_matches_cpu(causal_case({1, 4097, 1, 32, 16, 0, true}), 5e-5, 1e-4);
   TensorCores tc(true);
-  expect_cuda_bf16_close(causal_case({1, 2049, 2, 64, 64, 0, false}), kTensorCoreFloor);
+  for (bool wgmma : {true, false}) {
+    WgmmaProducts w(wgmma);
+    SCOPED_TRACE(wgmma ? "second products on wgmma" : "second products on mma.sync");
+    expect_cuda_bf16_close(causal_case({1, 2049, 2, 64, 64, 0, false}), kTensorCoreFloor);
+  }
 }
 
 // The length the issue asks of every GPU op, at the windows a model uses: float32 against the CPU
@@ -288,6 +309,13 @@ TEST(CausalAttentionCuda, GradientsAreBitIdenticalAcrossRuns) {
   torch::manual_seed(34);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16})
     expect_cuda_runs_bit_identical(causal_case({2, 1000, 3, 64, 32, 0, true}), dt);
+  // The TMA-fed tiles (D = Dv = 64) in both forms of their second products, with a window.
+  for (bool wgmma : {true, false}) {
+    WgmmaProducts w(wgmma);
+    SCOPED_TRACE(wgmma ? "second products on wgmma" : "second products on mma.sync");
+    expect_cuda_runs_bit_identical(causal_case({2, 1000, 3, 64, 64, 0, true}), at::kBFloat16);
+    expect_cuda_runs_bit_identical(causal_case({1, 1000, 2, 64, 64, 128, false}), at::kBFloat16);
+  }
 }
 
 TEST(CausalAttentionCuda, BadInputsNameTheTensor) {

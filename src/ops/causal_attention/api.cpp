@@ -15,6 +15,7 @@ namespace {
 constexpr const char* kOp = "causal_attention";
 
 std::atomic<bool> g_tensor_cores{true};
+std::atomic<bool> g_wgmma_products{true};
 
 using Dims = QkvDims;
 
@@ -141,11 +142,14 @@ CausalAttentionParams causal_attention_params(const QkvDims& d, int64_t window, 
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
   p.band = band.defined() ? band.data_ptr<int32_t>() : nullptr;
   p.tensor_cores = true;
+  p.wgmma_products = g_wgmma_products.load();
   return p;
 }
 
 void set_causal_attention_tensor_cores(bool on) { g_tensor_cores.store(on); }
 bool causal_attention_tensor_cores() { return g_tensor_cores.load(); }
+void set_causal_attention_wgmma_products(bool on) { g_wgmma_products.store(on); }
+bool causal_attention_wgmma_products() { return g_wgmma_products.load(); }
 
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& seq_idx, int64_t window, double scale,

@@ -26,6 +26,15 @@ void causal_attention_backward_cpu(const CausalAttentionGradParams& p, at::Scala
 void set_causal_attention_tensor_cores(bool on);
 bool causal_attention_tensor_cores();
 
+// On the tensor cores at head dim 64 on Hopper (the TMA-fed tiles), the second product of each
+// step (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q) runs on wgmma with P or dS from
+// registers, like the first; off: on each warp's mma.sync (the form before, kept for comparison;
+// both round P and dS to bfloat16 the same way). On by default; tests run both.
+// HAX_CAUSAL_WGMMA2 (a bit mask: 1 forward, 2 dQ, 4 dK/dV, 8 the forward at 5 blocks an SM;
+// default 15) picks the kernels that use it when on, for timing comparisons.
+void set_causal_attention_wgmma_products(bool on);
+bool causal_attention_wgmma_products();
+
 // Differentiable in q, k, v (through both outputs). seq_idx may be undefined; window >= 0;
 // scale > 0 (e.g. 1/sqrt(D)). Returns (out (B, L, H, Dv), lse (B, H, L)); lse has q's dtype on
 // the CPU and is float32 on CUDA (the kernels' math type; the backward needs it that precise).

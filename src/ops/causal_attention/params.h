@@ -29,6 +29,8 @@ struct CausalAttentionParams {
   void* out = nullptr;            // out (B, L, H, Dv)
   void* lse = nullptr;            // out (B, H, L): q's dtype on the CPU, always float32 on CUDA
   bool tensor_cores = true;       // CUDA, bfloat16 only: mma.sync tiles (false: the float32 FMA tiles)
+  bool wgmma_products = true;     // tensor cores at head dim 64 on sm_90a: the second products (P V, dS K,
+                                  // P^T dO, dS^T Q) on wgmma too (false: each warp's mma.sync, as before)
 };
 
 // Gradient parameters: the forward's inputs, out and lse, plus the output cotangents.

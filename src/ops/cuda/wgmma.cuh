@@ -111,7 +111,11 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], uint64_t des
 // d (64 x 8 NT) (+)= A (64 x 16) B (8 NT x 16)^T with A from registers (RS): each warp w of the
 // warpgroup gives rows 16w..16w+15 of A as an mma.sync m16n8k16 A fragment (a[0]: row g, columns
 // 2t, 2t+1; a[1]: row g + 8; a[2], a[3]: columns + 8; mma_bf16.cuh's c_to_a makes one from an
-// accumulator), B from a descriptor as above.
+// accumulator), B from a descriptor as above. kTransB: B "N-major" instead, d (+)= A Y for a
+// swizzled tile Y of 16 rows (k) by 64 columns (n) (a V-like operand, rows of 128 bytes): the
+// same descriptor (the stride byte offset is then the distance between groups of 8 k rows, 1024
+// bytes; the leading byte offset, the distance between 64-column blocks, is unused at N = 64).
+template <bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                    bool accumulate) {
   HAX_WGMMA_ASM(
@@ -119,14 +123,14 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint3
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
         "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
         "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
         "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
         "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate), "n"(kTransB ? 1 : 0));
 }
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                     bool accumulate) {
@@ -209,6 +213,34 @@ __device__ __forceinline__ void wgmma_dot2(float (&s)[NT][4], const __nv_bfloat1
                                            float (&t)[NT][4], const __nv_bfloat16* X2, const __nv_bfloat16* Y2) {
   wgmma_issue2<NT>(s, X, Y, t, X2, Y2);
   wgmma_wait<0>();
+}
+
+// acc (64 x 64) += P Y issued as one commit group and not waited for (the caller waits, then
+// fences acc, before it reads or rescales acc): P (64 x 16 KT) from registers, warp w's rows
+// 16w..16w+15 as mma.sync accumulator fragments pc[0 .. 2 KT) (8 columns each, rounded to
+// bfloat16 here), Y a swizzled tile of 16 KT rows by 64 columns (rows of 128 bytes, 1024-byte
+// aligned), read N-major. The second product of attention on the warpgroup: O += P V, dQ += dS K,
+// dV += P^T dO, dK += dS^T Q. Every warp of the warpgroup must call it (rows a warp does not
+// use give zeros in pc).
+template <int KT>
+__device__ __forceinline__ void wgmma_accumulate_rs(float (&acc)[8][4], const float (&pc)[2 * KT][4],
+                                                    const __nv_bfloat16* Y) {
+  uint32_t a[KT][4];
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(pc[2 * kk + h][0], pc[2 * kk + h][1]);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(pc[2 * kk + h][2], pc[2 * kk + h][3]);
+      a[kk][2 * h] = *reinterpret_cast<const uint32_t*>(&lo);
+      a[kk][2 * h + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+    }
+  }
+  const uint64_t db = wgmma_desc_sw128(Y);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) wgmma_m64n64k16_rs<true>(acc, a[kk], db + kk * (2048 >> 4), true);  // 16 rows a step
+  wgmma_commit();
 }
 
 }  // namespace hax::ops::cuda

@@ -25,7 +25,14 @@
 // of TMA-filled buffers that each warp waits for on an mbarrier (ops/cuda/tile_ring.cuh). On the
 // TMA path the products of two shared tiles (S = Q K^T, dP = dO V^T, and S^T, dP^T for dK/dV)
 // run on wgmma, the warpgroup's asynchronous product that reads both operands from shared
-// memory (ops/cuda/wgmma.cuh; sm_90a builds), and the products with P or dS stay on mma.sync.
+// memory (ops/cuda/wgmma.cuh; sm_90a builds), and so do the products with P or dS (O += P V,
+// dQ += dS K, dV += P^T dO, dK += dS^T Q: wgmma_accumulate_rs, P or dS from registers, the
+// V-like operand read N-major from its swizzled tile; unless p.wgmma_products is off, which
+// keeps them on each warp's mma.sync). wgmma is .aligned: all four warps must reach the same
+// wgmma instruction, so on this path a warp whose rows see none of a tile still takes part, with
+// P or dS masked to zeros (an earlier version branched around it per warp and gave wrong, run-
+// dependent gradients). BENCHMARKS.md, twenty-seventh pass: forward 313 -> 262 us (with 5
+// blocks an SM), dQ 370 -> 344, dK/dV 514 -> 447 for SW k = 128 at 64K.
 // Each warp writes its output rows through its own rows of a shared tile (store_rows_staged), so
 // that global stores are whole 16-byte chunks. BENCHMARKS.md, ninth pass: on the H100 the TMA
 // ring alone changed nothing (the kernels are bound by each warp's dependency chain, ldmatrix ->
@@ -114,12 +121,15 @@ struct FwdCfg {
 };
 
 // kSink: p.sink > 0 (A-shaped attention's sink tile); the plain causal form is compiled without it.
-template <int DB, int kMode, bool kSink>
-__global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
+// kW2 > 0: with kW, O += P V on the warpgroup too (wgmma_accumulate_rs), not by each warp's
+// mma.sync; 2: at 5 blocks an SM (at most 102 registers a thread).
+template <int DB, int kMode, bool kSink, int kW2>
+__global__ void __launch_bounds__(kThreads, DB <= 64 ? (kW2 == 2 ? 5 : kMinBlocks) : 2)
     forward_kernel(CausalAttentionParams p, Dims dm, VecLoads vec, const __grid_constant__ TmaMaps maps) {
   using Cfg = FwdCfg<DB, kMode>;
   using Lay = typename Cfg::Lay;
   constexpr bool kW = kMode == kTma && kWgmma;  // S of a whole key tile by the warpgroup
+  constexpr bool kPV = kW && kW2 > 0 && DB == 64;  // P V of a whole key tile by the warpgroup
   constexpr int BN = Cfg::BN, S = Cfg::S, NT = BN / 8, DT = DB / 8;
   extern __shared__ uint4 smem_u4[];
   Ring& ring = *reinterpret_cast<Ring*>(smem_u4);
@@ -214,7 +224,9 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
     float s[NT][4] = {};
     // kTma: S = Q K^T of the whole 64 x 64 tile by the warpgroup (every warp takes part).
     if constexpr (kW) cuda::wgmma_dot<NT>(s, sQ, sK);
-    if (live) {
+    // (kPV: every warp takes part in the warpgroup's P V, at the same instructions (wgmma is
+    // .aligned); a warp whose rows see none of the tile gives P = 0, from the masked form)
+    if (kPV || live) {
       if constexpr (!kW) warp_dot<DB, NT, Lay>(s, sQ, r0, sK, live);
       float mx[2] = {-INFINITY, -INFINITY};
       auto scores = [&](auto masked) {  // -inf where not visible (scaled in the softmax step)
@@ -231,7 +243,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       if (all_visible(j0, j0 + BN - 1, lo_n, hi_n)) scores(std::false_type{});
       else scores(std::true_type{});
       online_softmax_step<NT, DT>(s, mx, m, l, o, dm.scale2);
-      warp_accumulate<DB, NT, Lay>(o, s, sV, live);
+      if constexpr (kPV) {
+        if constexpr (DB == 64) cuda::wgmma_accumulate_rs<BN / 16>(o, s, sV);
+        cuda::wgmma_wait<0>();
+        cuda::wgmma_fence_operands(o);
+      } else {
+        warp_accumulate<DB, NT, Lay>(o, s, sV, live);
+      }
     }
     if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
@@ -341,12 +359,14 @@ struct BlockDelta {
   }
 };
 
-template <int DB, int kMode>
+// kW2: with kW, dQ += dS K on the warpgroup too (wgmma_accumulate_rs).
+template <int DB, int kMode, bool kW2>
 __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
     dq_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec, const __grid_constant__ TmaMaps maps) {
   using Cfg = DqCfg<DB, kMode>;
   using Lay = typename Cfg::Lay;
   constexpr bool kW = kMode == kTma && kWgmma;  // S and dP of a whole key tile by the warpgroup
+  constexpr bool kDQ = kW && kW2 && DB == 64;   // dS K of a whole key tile by the warpgroup
   constexpr int BN = Cfg::BN, SUB = kW ? BN : Cfg::SUB, S = Cfg::S, NT = SUB / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
@@ -452,7 +472,9 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       const bf16* sKs = sK + sub * SUB * S;
       float s[NT][4] = {}, dp[NT][4] = {};
       if constexpr (kW) cuda::wgmma_dot2<NT>(s, sQ, sKs, dp, sdO, sV + sub * SUB * S);
-      if (!live) continue;
+      // (kDQ: every warp takes part in the warpgroup's product; a warp whose rows see none of the
+      // step's keys gives dS = 0, from the masked form)
+      if (!live && !kDQ) continue;
       if constexpr (!kW) {
         warp_dot<DB, NT, Lay>(s, sQ, r0, sKs, live);
         warp_dot<DB, NT, Lay>(dp, sdO, r0, sV + sub * SUB * S, live);
@@ -470,7 +492,14 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       };
       if (all_visible(c0, c0 + SUB - 1, lo, hi)) grads(std::false_type{});
       else grads(std::true_type{});
-      warp_accumulate<DB, NT, Lay>(acc, s, sKs, live);  // dQ += dS K
+      // dQ += dS K
+      if constexpr (kDQ) {
+        if constexpr (DB == 64) cuda::wgmma_accumulate_rs<SUB / 16>(acc, s, sKs);
+        cuda::wgmma_wait<0>();
+        cuda::wgmma_fence_operands(acc);
+      } else {
+        warp_accumulate<DB, NT, Lay>(acc, s, sKs, live);
+      }
     }
     if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
@@ -539,12 +568,14 @@ struct DkdvCfg {
 // query steps of a tile are issued at once (two commit groups, the second step's products running
 // while the first step's P^T, dS^T and accumulates are formed), which needs two steps' products
 // in registers; at 4 blocks an SM the kernel spilled 88 bytes a thread even without that.
-template <int DB, int kMode>
+// kW2: with kW, dV += P^T dO and dK += dS^T Q on the warpgroup too (wgmma_accumulate_rs).
+template <int DB, int kMode, bool kW2>
 __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMinBlocks) : 2)
     dkdv_kernel(CausalAttentionGradParams gp, Dims dm, VecLoads vec, const __grid_constant__ TmaMaps maps) {
   using Cfg = DkdvCfg<DB, kMode>;
   using Lay = typename Cfg::Lay;
   constexpr bool kW = kMode == kTma && kWgmma;  // S^T and dP^T of each query step by the warpgroup
+  constexpr bool kKV = kW && kW2 && DB == 64;   // dV and dK of each query step by the warpgroup
   constexpr int BN = Cfg::BN, SUB = Cfg::SUB, S = Cfg::S, NT = SUB / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
@@ -639,13 +670,22 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
   }
 
   float dk[DT][4] = {}, dv[DT][4] = {};
+  // kKV: dV += P^T dO and dK += dS^T Q on the warpgroup, two commit groups (waited for by the loop).
+  auto issue_kv = [&](const float (&pt)[NT][4], const float (&dst)[NT][4], const bf16* sdO, const bf16* sQ) {
+    if constexpr (kKV) {
+      cuda::wgmma_accumulate_rs<SUB / 16>(dv, pt, sdO);
+      cuda::wgmma_accumulate_rs<SUB / 16>(dk, dst, sQ);
+    }
+  };
   // Step (n, c0): queries c0 .. c0 + SUB - 1 of the ring's tile n (query tile qt_begin + n), with
   // st = S^T and dpt = dP^T already computed when kW: P^T and dS^T, then dV += P^T dO and
-  // dK += dS^T Q.
+  // dK += dS^T Q (kKV: issued on the warpgroup as one commit group, not waited for).
   auto finish = [&](int n, int c0, float (&st)[NT][4], float (&dpt)[NT][4]) {
     const int i0 = (qt_begin + n) * BN, buf = kMode == kPlain ? 0 : n % Cfg::NB;
     const unsigned live = live_groups<SUB / 16>(i0 + c0, lo, hi);
-    if (!live) return;
+    // (kKV: every warp takes part in the warpgroup's products, at the same instructions (wgmma is
+    // .aligned); a warp whose keys no query of the step sees gives zeros, from the masked form)
+    if (!live && !kKV) return;
     const bf16* sQ = sQ0 + (buf * BN + c0) * S;
     const bf16* sdO = sdO0 + (buf * BN + c0) * S;
     const float* sLse = sLse0 + buf * BN + c0;
@@ -668,8 +708,12 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
     };
     if (all_visible(i0 + c0, i0 + c0 + SUB - 1, lo, hi)) grads(std::false_type{});
     else grads(std::true_type{});
-    warp_accumulate<DB, NT, Lay>(dv, st, sdO, live);  // dV += P^T dO
-    warp_accumulate<DB, NT, Lay>(dk, dpt, sQ, live);  // dK += dS^T Q
+    if constexpr (kKV) {
+      issue_kv(st, dpt, sdO, sQ);
+    } else {
+      warp_accumulate<DB, NT, Lay>(dv, st, sdO, live);  // dV += P^T dO
+      warp_accumulate<DB, NT, Lay>(dk, dpt, sQ, live);  // dK += dS^T Q
+    }
   };
   if constexpr (kW && BN / SUB == 2) {
     // Both steps of a tile issued as two commit groups; step 1's products run while step 0 is
@@ -685,11 +729,17 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
       cuda::wgmma_wait<1>();
       cuda::wgmma_fence_operands(st0);
       cuda::wgmma_fence_operands(dp0);
-      finish(n, 0, st0, dp0);
-      cuda::wgmma_wait<0>();
+      finish(n, 0, st0, dp0);  // (kKV: two more groups, step 0's dV and dK)
+      if constexpr (kKV) cuda::wgmma_wait<2>();  // step 1's S^T, dP^T
+      else cuda::wgmma_wait<0>();
       cuda::wgmma_fence_operands(st1);
       cuda::wgmma_fence_operands(dp1);
       finish(n, SUB, st1, dp1);
+      if constexpr (kKV) {  // every product done before the buffers are released
+        cuda::wgmma_wait<0>();
+        cuda::wgmma_fence_operands(dv);
+        cuda::wgmma_fence_operands(dk);
+      }
       ring.advance(n, tiles, fill);
     }
   } else {
@@ -713,6 +763,11 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
         if constexpr (kW)
           cuda::wgmma_dot2<NT>(st, sK, sQ0 + (buf * BN + c0) * S, dpt, sV, sdO0 + (buf * BN + c0) * S);
         finish(n, c0, st, dpt);
+        if constexpr (kKV) {
+          cuda::wgmma_wait<0>();
+          cuda::wgmma_fence_operands(dv);
+          cuda::wgmma_fence_operands(dk);
+        }
       }
       if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
     }
@@ -756,6 +811,24 @@ int tma_mask() {
     return (int)m;
   }();
   return mask;
+}
+
+// Which kTma kernels also run their second products (O += P V, dQ += dS K, dV += P^T dO and
+// dK += dS^T Q) on wgmma when p.wgmma_products is on: HAX_CAUSAL_WGMMA2 as a bit mask (1 forward,
+// 2 dQ, 4 dK/dV, 8 the forward at 5 blocks an SM, which its 96 registers allow), for comparisons;
+// unset: 15.
+int wgmma2_mask(const CausalAttentionParams& p) {
+  static const int mask = [] {
+    const char* e = std::getenv("HAX_CAUSAL_WGMMA2");
+    if (!e) return 15;
+    char* end = nullptr;
+    const long m = std::strtol(e, &end, 10);
+    if (end == e || *end != '\0' || m < 0 || m > 15)
+      throw std::runtime_error(std::string("HAX_CAUSAL_WGMMA2 = '") + e +
+                               "' must be a bit mask 0..15 (1 forward, 2 dQ, 4 dK/dV, 8 forward at 5 blocks an SM)");
+    return (int)m;
+  }();
+  return p.wgmma_products ? mask : 0;
 }
 
 // kTma's conditions: head dims of exactly 64 (the 128-byte swizzled rows), 16-byte aligned
@@ -822,17 +895,26 @@ void forward_mma(const CausalAttentionParams& p, cudaStream_t stream) {
   TmaMaps maps{};
   const bool tma = vec.qk && vec.v && tma_maps(p, nullptr, maps);
   HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
-    auto launch = [&](auto mode) {
+    // (kTma kernels exist at head dim 64 only; the condition is dependent here, so the others
+    // are not compiled)
+    auto launch = [&](auto mode, auto w2) {
       constexpr int kM = decltype(mode)::value;
-      constexpr size_t smem = FwdCfg<DB, kM>::smem;
-      auto kernel = p.sink > 0 ? forward_kernel<DB, kM, true> : forward_kernel<DB, kM, false>;
-      allow_smem(kernel, smem, "causal_attention_forward_cuda");
-      kernel<<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
+      constexpr int kW2 = decltype(w2)::value;
+      if constexpr ((kM != kTma || DB == 64) && (kW2 == 0 || kM == kTma)) {
+        constexpr size_t smem = FwdCfg<DB, kM>::smem;
+        auto kernel = p.sink > 0 ? forward_kernel<DB, kM, true, kW2> : forward_kernel<DB, kM, false, kW2>;
+        allow_smem(kernel, smem, "causal_attention_forward_cuda");
+        kernel<<<grid, kThreads, smem, stream>>>(p, dm, vec, maps);
+      }
     };
     if constexpr (DB == 64)
-      if (tma && (tma_mask() & 1)) return launch(std::integral_constant<int, kTma>{});
-    if (vec.qk && vec.v) launch(std::integral_constant<int, kCopy>{});
-    else launch(std::integral_constant<int, kPlain>{});
+      if (tma && (tma_mask() & 1)) {
+        if (wgmma2_mask(p) & 8) return launch(std::integral_constant<int, kTma>{}, std::integral_constant<int, 2>{});
+        if (wgmma2_mask(p) & 1) return launch(std::integral_constant<int, kTma>{}, std::integral_constant<int, 1>{});
+        return launch(std::integral_constant<int, kTma>{}, std::integral_constant<int, 0>{});
+      }
+    if (vec.qk && vec.v) launch(std::integral_constant<int, kCopy>{}, std::integral_constant<int, 0>{});
+    else launch(std::integral_constant<int, kPlain>{}, std::integral_constant<int, 0>{});
   });
   cuda::check_launch("causal_attention_forward_cuda (tensor cores)");
 }
@@ -851,13 +933,23 @@ void backward_mma(const CausalAttentionGradParams& gp, cudaStream_t stream) {
   TmaMaps maps{};
   const bool tma = vec.qk && vec.v && tma_maps(gp.fwd, gp.dout, maps);
   HAX_CAUSAL_DISPATCH_HEAD_DIM(std::max(dm.D, dm.Dv), [&] {
+    // (kTma kernels: their second products on wgmma where wgmma2_mask() says so)
     auto launch = [&](auto mode_q, auto mode_kv) {
       constexpr int kQ = decltype(mode_q)::value, kKV = decltype(mode_kv)::value;
-      constexpr size_t smem_q = DqCfg<DB, kQ>::smem, smem_kv = DkdvCfg<DB, kKV>::smem;
-      allow_smem(dq_kernel<DB, kQ>, smem_q, "causal_attention_backward_cuda");
-      allow_smem(dkdv_kernel<DB, kKV>, smem_kv, "causal_attention_backward_cuda");
-      dq_kernel<DB, kQ><<<grid, kThreads, smem_q, stream>>>(gp, dm, vec, maps);
-      dkdv_kernel<DB, kKV><<<grid_kv, kThreads, smem_kv, stream>>>(gp, dm, vec, maps);
+      if constexpr ((kQ != kTma && kKV != kTma) || DB == 64) {  // (as in forward_mma)
+        constexpr size_t smem_q = DqCfg<DB, kQ>::smem, smem_kv = DkdvCfg<DB, kKV>::smem;
+        const int w2 = wgmma2_mask(gp.fwd);
+        auto dq = dq_kernel<DB, kQ, false>;
+        auto dkdv = dkdv_kernel<DB, kKV, false>;
+        if constexpr (kQ == kTma)
+          if (w2 & 2) dq = dq_kernel<DB, kQ, true>;
+        if constexpr (kKV == kTma)
+          if (w2 & 4) dkdv = dkdv_kernel<DB, kKV, true>;
+        allow_smem(dq, smem_q, "causal_attention_backward_cuda");
+        allow_smem(dkdv, smem_kv, "causal_attention_backward_cuda");
+        dq<<<grid, kThreads, smem_q, stream>>>(gp, dm, vec, maps);
+        dkdv<<<grid_kv, kThreads, smem_kv, stream>>>(gp, dm, vec, maps);
+      }
     };
     using Tma = std::integral_constant<int, kTma>;
     using Copy = std::integral_constant<int, kCopy>;
