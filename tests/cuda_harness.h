@@ -18,6 +18,31 @@ namespace hax::testing {
                                                         : "this build has no CUDA backend");    \
   } while (0)
 
+// Sets a process-wide on/off switch of the ops (a get/set pair, e.g. a kernel form) while alive,
+// and restores it after.
+struct ScopedSwitch {
+  void (*set)(bool);
+  bool before;
+  ScopedSwitch(bool (*get)(), void (*set_to)(bool), bool on) : set(set_to), before(get()) { set(on); }
+  ~ScopedSwitch() { set(before); }
+  ScopedSwitch(const ScopedSwitch&) = delete;
+  ScopedSwitch& operator=(const ScopedSwitch&) = delete;
+};
+
+// Runs `first`, then `second` from the same state of the default CPU generator (so it sees the
+// same random inputs and cotangents), then leaves the generator where `first` alone left it: the
+// draws of the checks after them stay those of `first` alone. (For a second kernel form checked
+// on the cases of an existing test without changing that test's other cases.)
+inline void with_same_draws(const std::function<void()>& first, const std::function<void()>& second) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  const at::Tensor start = gen.get_state();
+  first();
+  const at::Tensor after = gen.get_state();
+  gen.set_state(start);
+  second();
+  gen.set_state(after);
+}
+
 // Copies inputs to `device` in `dtype` (floating ones; integer ones keep theirs), keeping requires_grad.
 inline Tensors to_device(const Tensors& in, const at::Device& device, at::ScalarType dtype) {
   Tensors out;

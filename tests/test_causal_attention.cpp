@@ -176,12 +176,9 @@ struct TensorCores {
 
 // Runs the tensor-core kernels' second products on wgmma (or on mma.sync) while alive; only the
 // TMA-fed tiles (bfloat16, head dim 64, Hopper) have both forms.
-struct WgmmaProducts {
-  bool before;
-  explicit WgmmaProducts(bool on) : before(hax::ops::causal_attention_wgmma_products()) {
-    hax::ops::set_causal_attention_wgmma_products(on);
-  }
-  ~WgmmaProducts() { hax::ops::set_causal_attention_wgmma_products(before); }
+struct WgmmaProducts : ScopedSwitch {
+  explicit WgmmaProducts(bool on)
+      : ScopedSwitch(hax::ops::causal_attention_wgmma_products, hax::ops::set_causal_attention_wgmma_products, on) {}
 };
 
 // The case with only `out` as an output: the backward gets no dlse (the layers' use).

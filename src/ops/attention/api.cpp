@@ -17,6 +17,7 @@ namespace {
 constexpr const char* kOp = "sparse_attention";
 
 std::atomic<AttentionPath> g_path{AttentionPath::kAuto};
+std::atomic<bool> g_wgmma_products{true};
 
 struct Dims {
   int64_t B, L, Lk, H, D, Dv, S, K;
@@ -195,6 +196,7 @@ AttentionParams make_params(const Inputs& in, double scale) {
   p.seg_w = in.seg_w.defined() ? in.seg_w.data_ptr() : nullptr;
   p.q_order = in.q_order.defined() ? in.q_order.data_ptr<int32_t>() : nullptr;
   p.path = g_path.load();
+  p.wgmma_products = g_wgmma_products.load();
   return p;
 }
 
@@ -453,6 +455,8 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
 
 void set_sparse_attention_path(AttentionPath path) { g_path.store(path); }
 AttentionPath sparse_attention_path() { return g_path.load(); }
+void set_sparse_attention_wgmma_products(bool on) { g_wgmma_products.store(on); }
+bool sparse_attention_wgmma_products() { return g_wgmma_products.load(); }
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& idx, const at::Tensor& bias,

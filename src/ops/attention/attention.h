@@ -88,4 +88,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_reference(const at::Tensor& 
 void set_sparse_attention_path(AttentionPath path);
 AttentionPath sparse_attention_path();
 
+// Whether the CUDA tile kernels (bfloat16, head dim 64, Hopper) run their tile products on wgmma
+// (AttentionParams::wgmma_products; process-wide, default on). Off: on each warp's mma.sync, the
+// form before, kept for comparison. For tests and benchmarks.
+void set_sparse_attention_wgmma_products(bool on);
+bool sparse_attention_wgmma_products();
+
 }  // namespace hax::ops

@@ -128,6 +128,7 @@ struct BlocksAttentionFunction : public torch::autograd::Function<BlocksAttentio
     p.scale = scale;
     p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
     p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+    p.wgmma_products = sparse_attention_wgmma_products();
     return p;
   }
 

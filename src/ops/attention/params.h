@@ -33,6 +33,9 @@ struct AttentionParams {
   void* lse = nullptr;            // out (B, H, L, S) log-sum-exp of each segment's scores (-inf if empty);
                                   // float32 on CUDA, the input dtype on the CPU
   AttentionPath path = AttentionPath::kAuto;
+  // CUDA tile kernels at head dim 64 on sm_90a: every tile product on wgmma (false: mma.sync, the
+  // form before; tests run both). HAX_TILE_WGMMA picks a form for timing comparisons when on.
+  bool wgmma_products = true;
   // CPU only: the forward sets *invalid to 1 when idx holds an entry outside [-1, Lk), which the
   // kernels treat as absent (the binding then reports it); checking there costs no extra pass.
   int32_t* invalid = nullptr;

@@ -54,21 +54,24 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // d (64 x 64 float32, this thread's share) (+)= A (64 x 16) B (64 x 16)^T from descriptors;
-// accumulate = false overwrites d.
+// accumulate = false overwrites d. kTrans (both operands transposed): d (+)= X^T Y for swizzled
+// tiles X (16 k rows by 64 m columns, read "M-major") and Y (16 k rows by 64 n columns, read
+// "N-major"), with the same descriptors (see wgmma_m64n64k16_rs).
+template <bool kTrans = false>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   HAX_WGMMA_ASM(
       "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      "%32, %33, p, 1, 1, %35, %35;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
         "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
         "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
         "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
         "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate), "n"(kTrans ? 1 : 0));
 }
 
 // The same with N = 32: d is 64 x 32.
@@ -240,6 +243,18 @@ __device__ __forceinline__ void wgmma_accumulate_rs(float (&acc)[8][4], const fl
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < KT; ++kk) wgmma_m64n64k16_rs<true>(acc, a[kk], db + kk * (2048 >> 4), true);  // 16 rows a step
+  wgmma_commit();
+}
+
+// acc (64 x 64) += X^T Y issued as one commit group and not waited for: X and Y swizzled tiles
+// of 16 KT rows (the reduction) by 64 columns, rows of 128 bytes, 1024-byte aligned. (dQ += dS K
+// from a tile of dS^T, keys as rows, written by the warps that own the keys.)
+template <int KT>
+__device__ __forceinline__ void wgmma_accumulate_tn(float (&acc)[8][4], const __nv_bfloat16* X, const __nv_bfloat16* Y) {
+  const uint64_t da = wgmma_desc_sw128(X), db = wgmma_desc_sw128(Y);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) wgmma_m64n64k16<true>(acc, da + kk * (2048 >> 4), db + kk * (2048 >> 4), true);
   wgmma_commit();
 }
 

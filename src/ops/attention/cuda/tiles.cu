@@ -13,12 +13,19 @@
 //           (a key appears in the unions of several blocks); dq_i = scale Σ_j dS_ij k_j from the
 //           tile's dS through shared memory, in registers over the tiles (one writer per query).
 // P and dS enter the second product of each step rounded to bfloat16, as in FlashAttention-2
-// and the causal attention kernel; everything else is float32.
+// and the causal attention kernel; everything else is float32. At head dim 64 with 16-byte rows
+// the tiles sit in the 128-byte swizzle, 1024-byte aligned, and on sm_90a builds every product
+// runs on wgmma (WgForm below; p.wgmma_products off keeps mma.sync). BENCHMARKS.md,
+// twenty-seventh pass: HAX at 64K, tile forward 457 -> 406 us, backward 1352 -> 1334.
 #include "ops/attention/params.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
+#include "ops/cuda/wgmma.cuh"
 
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 namespace hax::ops {
@@ -179,9 +186,30 @@ struct Cfg {
   using Lay = std::conditional_t<kSwizzle, Swizzle128, Padded<S>>;
   static constexpr int DT = DB / 8;
   static constexpr int NB = kAsync ? 2 : 1;  // key-tile buffers
-  static constexpr size_t fwd_smem = sizeof(bf16) * (kQ + 2 * NB * kTK) * S;      // sQ, sK[NB], sV[NB]
+  // Swizzled tiles start 1024-byte aligned (wgmma applies the swizzle from the address bits):
+  // room to align the dynamic shared memory's start.
+  static constexpr size_t kSlack = kSwizzle ? 1024 : 0;
+  static constexpr size_t fwd_smem = kSlack + sizeof(bf16) * (kQ + 2 * NB * kTK) * S;  // sQ, sK[NB], sV[NB]
   static constexpr size_t bwd_smem =  // sQ, sdO, sK[NB], sV[NB], then sdS (kTK x kQ, Swizzle128)
-      sizeof(bf16) * ((2 * kQ + 2 * NB * kTK) * S + kTK * kQ);
+      kSlack + sizeof(bf16) * ((2 * kQ + 2 * NB * kTK) * S + kTK * kQ);
+  // The first tile in the dynamic shared memory.
+  static __device__ __forceinline__ bf16* tiles(uint4* smem) {
+    if constexpr (!kSwizzle) return reinterpret_cast<bf16*>(smem);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(smem);
+    return reinterpret_cast<bf16*>((a + 1023) & ~uintptr_t(1023));
+  }
+};
+
+// Which tile products run on wgmma (kWgmma: 0 none, on mma.sync; 1 the products of two shared
+// tiles, S = Q K^T in the forward, S^T = K Q^T and dP^T = V dO^T in the backward; 2 all of them,
+// also those with P or dS^T from registers (O += P V, dV = P^T dO, dK = dS^T Q:
+// wgmma_accumulate_rs) or from the shared dS^T tile (dQ += dS K: wgmma_accumulate_tn)). wgmma
+// reads the swizzled tiles from shared memory (sm_90a builds; ops/cuda/wgmma.cuh); all four warps
+// take part in each product.
+template <int DB, bool kAsync, int kWgmma>
+struct WgForm {
+  static constexpr bool kFirst = kWgmma >= 1 && Cfg<DB, kAsync>::kSwizzle && cuda::kHaveWgmma;
+  static constexpr bool kAll = kWgmma == 2 && kFirst;
 };
 
 // Per-CTA shared state of a block: query positions; per buffer, the tile's keys, their biases in
@@ -198,7 +226,7 @@ static_assert(sizeof(BlockShared) + 2 * kQ * sizeof(float) <= kStaticSmem, "kSta
 // tile's rows are copied with cp.async into the other buffer while the current one is computed
 // on; otherwise each tile is loaded, then computed on. Use:
 //   ts.start(); for (tt...) { const int b = ts.begin(tt); ...K(b), V(b), bs.keys[b]...; ts.end(); }
-template <int DB, bool kAsync>
+template <int DB, bool kAsync, int kWgmma = 0>
 struct TileStream {
   static constexpr int S = Cfg<DB, kAsync>::S;
   using Lay = typename Cfg<DB, kAsync>::Lay;
@@ -264,6 +292,7 @@ struct TileStream {
       // warp is done with tile tt - 1, so its buffer takes tile tt + 1: one barrier a tile.
       const int b = tt & 1;
       cuda::cp_async_wait<0>();
+      if constexpr (WgForm<DB, kAsync, kWgmma>::kFirst) cuda::fence_proxy_async_shared();  // wgmma reads the tiles
       __syncthreads();
       if (tt + 1 < ntiles) stage(tt + 1, b ^ 1);
       return b;
@@ -280,15 +309,16 @@ struct TileStream {
   __device__ void end() {}  // (the next begin()'s barrier protects the buffer it refills)
 };
 
-template <int DB, bool kAsync>
+template <int DB, bool kAsync, int kWgmma>
 __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1) tile_forward_kernel(AttentionParams p, AttentionTilePlan plan, Sizes z) {
   using C = Cfg<DB, kAsync>;
+  using W = WgForm<DB, kAsync, kWgmma>;
   using Lay = typename C::Lay;
   constexpr int S = C::S, DT = C::DT;
   const int count = plan.count[blockIdx.x];
   if (count < 0) return;  // the per-query kernels take this block
   extern __shared__ uint4 smem_u4[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem_u4);
+  bf16* sQ = C::tiles(smem_u4);
   bf16* sK = sQ + kQ * S;
   bf16* sV = sK + C::NB * kTK * S;
   __shared__ BlockShared bs;
@@ -305,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1) tile_forward_kerne
   // their key-list loads and the query-row loads below wait together (H100, L = 64K, HAX k = 64,
   // ncu: 459-465 -> 449 us a call, 2026-11-24; ptxas no longer spills the hot variant's 12 bytes).
   const int ntiles = (count + kTK - 1) / kTK;
-  TileStream<DB, kAsync> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+  TileStream<DB, kAsync, kWgmma> ts{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
                            p.bias ? (const bf16*)p.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv, ntiles,
                            z.vec_qk, z.vec_v, false};
   ts.start();
@@ -330,7 +360,8 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1) tile_forward_kerne
     const int buf = ts.begin(tt);
     const float* bias2 = bs.bias2[buf];
     float s[NT][4] = {};
-    warp_dot<DB, NT, Lay>(s, sQ, r0, ts.K(buf));
+    if constexpr (W::kFirst) cuda::wgmma_dot<NT>(s, sQ, ts.K(buf));
+    else warp_dot<DB, NT, Lay>(s, sQ, r0, ts.K(buf));
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -341,7 +372,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 4 : 1) tile_forward_kerne
         mx[r] = fmaxf(mx[r], s[nt][e]);
       }
     online_softmax_step<NT, DT>(s, mx, m, l, o);  // a query with no listed key yet keeps m = -inf
-    warp_accumulate<DB, NT, Lay>(o, s, ts.V(buf));
+    if constexpr (W::kAll) {
+      if constexpr (DB == 64) cuda::wgmma_accumulate_rs<kTK / 16>(o, s, ts.V(buf));
+      cuda::wgmma_wait<0>();  // (before the next tile's barrier lets its buffer be refilled)
+      cuda::wgmma_fence_operands(o);
+    } else {
+      warp_accumulate<DB, NT, Lay>(o, s, ts.V(buf));
+    }
     ts.end();
   }
 
@@ -405,7 +442,7 @@ struct GradBlock {
   const unsigned long long* mask;
 
   __device__ GradBlock(uint4* smem, const AttentionGradParams& gp, const AttentionTilePlan& plan, const Sizes& z) {
-    sQ = reinterpret_cast<bf16*>(smem);
+    sQ = C::tiles(smem);
     sdO = sQ + kQ * S;
     sK = sdO + kQ * S;
     sV = sK + C::NB * kTK * S;
@@ -424,9 +461,10 @@ struct GradBlock {
   }
 
   // The block's key tiles streamed into sK, sV (with the mask words when with_mask).
-  __device__ TileStream<DB, kAsync> stream(BlockShared& bs, const AttentionGradParams& gp, const AttentionTilePlan& plan,
+  template <int kWgmma>
+  __device__ TileStream<DB, kAsync, kWgmma> stream(BlockShared& bs, const AttentionGradParams& gp, const AttentionTilePlan& plan,
                                           const Sizes& z, int ntiles, bool with_mask) const {
-    return TileStream<DB, kAsync>{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
+    return TileStream<DB, kAsync, kWgmma>{sK, sV, bs, plan.keys + (int64_t)blockIdx.x * kU, mask, k, v,
                                  gp.fwd.bias ? (const bf16*)gp.fwd.bias + bh * z.Lk : nullptr, sqk, sv, z.D, z.Dv,
                                  ntiles, z.vec_qk, z.vec_v, with_mask};
   }
@@ -439,10 +477,11 @@ struct GradBlock {
 // (the A operand read transposed): dQ stays in registers over the tiles, one writer per query.
 // (A separate dQ kernel recomputed S and dP from a second gather of the same tiles: 574 us of
 // HAX's 64K call, BENCHMARKS.md, fourteenth pass.)
-template <int DB, bool kAsync>
+template <int DB, bool kAsync, int kWgmma>
 __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
     tile_backward_kernel(AttentionGradParams gp, AttentionTilePlan plan, Sizes z) {
   using C = Cfg<DB, kAsync>;
+  using W = WgForm<DB, kAsync, kWgmma>;
   constexpr int S = C::S, DT = C::DT;
   using Lay = typename C::Lay;
   const AttentionParams& p = gp.fwd;
@@ -468,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
   // for the tile). (Before gb.load, as in the forward, ptxas spilled 8 bytes.)
   const int ntiles = (count + kTK - 1) / kTK;
   wait_block_q_do<kAsync>(ntiles);
-  TileStream<DB, kAsync> ts = gb.stream(bs, gp, plan, z, ntiles, true);
+  TileStream<DB, kAsync, kWgmma> ts = gb.template stream<kWgmma>(bs, gp, plan, z, ntiles, true);
   ts.start();
   for (int c = threadIdx.x; c < kQ; c += kThreads) {
     const int i = bs.rows[c];
@@ -485,8 +524,12 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
     const float* bias2 = bs.bias2[buf];
     const int kr[2] = {r0 + g, r0 + g + 8};  // the thread's two key rows of the tile
     float st[NT][4] = {}, dpt[NT][4] = {}, db[2] = {0.f, 0.f};
-    warp_dot<DB, NT, Lay>(st, ts.K(buf), r0, sQ);
-    warp_dot<DB, NT, Lay>(dpt, ts.V(buf), r0, sdO);
+    if constexpr (W::kFirst) {
+      cuda::wgmma_dot2<NT>(st, ts.K(buf), sQ, dpt, ts.V(buf), sdO);
+    } else {
+      warp_dot<DB, NT, Lay>(st, ts.K(buf), r0, sQ);
+      warp_dot<DB, NT, Lay>(dpt, ts.V(buf), r0, sdO);
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -504,10 +547,23 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
             pack_bf16(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
     }
     float dk[DT][4] = {}, dv[DT][4] = {};
-    warp_accumulate<DB, NT, Lay>(dv, st, sdO);  // dV = P^T dO
-    warp_accumulate<DB, NT, Lay>(dk, dpt, sQ);  // dK = dS^T Q
-    __syncthreads();                            // every warp's rows of dS^T are in sdS
-    warp_accumulate_tn<DB, kTK / 16, Swizzle128, Lay>(dq, sdS, r0, ts.K(buf));  // dQ += dS K
+    if constexpr (W::kAll) {
+      if constexpr (DB == 64) {
+        cuda::wgmma_accumulate_rs<kQ / 16>(dv, st, sdO);   // dV = P^T dO
+        cuda::wgmma_accumulate_rs<kQ / 16>(dk, dpt, sQ);   // dK = dS^T Q
+        cuda::fence_proxy_async_shared();                   // this thread's sdS stores, for wgmma
+        __syncthreads();                                    // every warp's rows of dS^T are in sdS
+        cuda::wgmma_wait<0>();                              // dV, dK (their A fragments free)
+        cuda::wgmma_fence_operands(dv);
+        cuda::wgmma_fence_operands(dk);
+        cuda::wgmma_accumulate_tn<kTK / 16>(dq, sdS, ts.K(buf));  // dQ += dS K, during the atomics
+      }
+    } else {
+      warp_accumulate<DB, NT, Lay>(dv, st, sdO);  // dV = P^T dO
+      warp_accumulate<DB, NT, Lay>(dk, dpt, sQ);  // dK = dS^T Q
+      __syncthreads();                            // every warp's rows of dS^T are in sdS
+      warp_accumulate_tn<DB, kTK / 16, Swizzle128, Lay>(dq, sdS, r0, ts.K(buf));  // dQ += dS K
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float dbr = db_acc ? sum4(db[r]) : 0.f;  // (uniform: the shuffles only with a bias)
@@ -516,6 +572,10 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
       atomic_add_row<DB>(dk_acc + (int64_t)j * sqk, dk, r, z.scale, z.D, t, pairs_k);
       atomic_add_row<DB>(dv_acc + (int64_t)j * sv, dv, r, 1.f, z.Dv, t, pairs_v);
       if (db_acc && t == 0) atomicAdd(db_acc + j, dbr);
+    }
+    if constexpr (W::kAll) {  // dQ's product done before the next barrier lets K's buffer and sdS be rewritten
+      cuda::wgmma_wait<0>();
+      cuda::wgmma_fence_operands(dq);
     }
     ts.end();  // (the next begin()'s barrier also keeps sdS until every warp has read it)
   }
@@ -544,6 +604,37 @@ Sizes sizes_of(const AttentionParams& p, const void* dout) {
   return z;
 }
 
+// HAX_TILE_WGMMA: which products of the swizzled kernels (head dim 64, 16-byte rows) run on
+// wgmma where the build targets sm_90a and p.wgmma_products is on: unset or 2 all of them, 1 the
+// products of two shared tiles only, 0 none (mma.sync; for comparisons).
+int tile_wgmma(const AttentionParams& p) {
+  if (!p.wgmma_products) return 0;
+  static const int mode = [] {
+    const char* e = std::getenv("HAX_TILE_WGMMA");
+    if (!e) return 2;
+    const std::string v(e);
+    if (v != "0" && v != "1" && v != "2")
+      throw std::runtime_error("HAX_TILE_WGMMA = '" + v +
+                               "' must be 0 (mma.sync), 1 (wgmma for the products of two shared tiles) or 2 (all)");
+    return v[0] - '0';
+  }();
+  return mode;
+}
+
+// launch(async, wgmma) with the variant the sizes allow: 16-byte rows copied by cp.async, and at
+// head dim 64 the wgmma forms (only DB 64 instantiates them).
+template <int DB, class Launch>
+void launch_variant(const AttentionParams& p, const Sizes& z, Launch&& launch) {
+  using Off = std::integral_constant<int, 0>;
+  if (!(z.vec_qk && z.vec_v)) return launch(std::false_type{}, Off{});
+  if constexpr (DB == 64) {
+    const int mode = tile_wgmma(p);
+    if (mode == 2) return launch(std::true_type{}, std::integral_constant<int, 2>{});
+    if (mode == 1) return launch(std::true_type{}, std::integral_constant<int, 1>{});
+  }
+  launch(std::true_type{}, Off{});
+}
+
 }  // namespace
 
 void sparse_attention_tile_forward_cuda(const AttentionParams& p, const AttentionTilePlan& plan, void* stream) {
@@ -551,14 +642,14 @@ void sparse_attention_tile_forward_cuda(const AttentionParams& p, const Attentio
   const int64_t grid = p.batch * p.nheads * z.nblk;
   if (grid == 0) return;
   HAX_DISPATCH_HEAD_DIM(p.dim > p.vdim ? p.dim : p.vdim, [&] {
-    auto launch = [&](auto async) {
+    auto launch = [&](auto async, auto wg) {
       constexpr bool kA = decltype(async)::value;
+      constexpr int kW = decltype(wg)::value;
       constexpr size_t smem = Cfg<DB, kA>::fwd_smem;
-      cuda::allow_smem(tile_forward_kernel<DB, kA>, smem, "sparse_attention tile forward", kStaticSmem);
-      tile_forward_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(p, plan, z);
+      cuda::allow_smem(tile_forward_kernel<DB, kA, kW>, smem, "sparse_attention tile forward", kStaticSmem);
+      tile_forward_kernel<DB, kA, kW><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(p, plan, z);
     };
-    if (z.vec_qk && z.vec_v) launch(std::true_type{});
-    else launch(std::false_type{});
+    launch_variant<DB>(p, z, launch);
   });
   cuda::check_launch("sparse_attention tile forward");
 }
@@ -568,14 +659,14 @@ void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const At
   const int64_t grid = gp.fwd.batch * gp.fwd.nheads * z.nblk;
   if (grid == 0) return;
   HAX_DISPATCH_HEAD_DIM(gp.fwd.dim > gp.fwd.vdim ? gp.fwd.dim : gp.fwd.vdim, [&] {
-    auto launch = [&](auto async) {
+    auto launch = [&](auto async, auto wg) {
       constexpr bool kA = decltype(async)::value;
+      constexpr int kW = decltype(wg)::value;
       constexpr size_t smem = Cfg<DB, kA>::bwd_smem;
-      cuda::allow_smem(tile_backward_kernel<DB, kA>, smem, "sparse_attention tile backward", kStaticSmem);
-      tile_backward_kernel<DB, kA><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
+      cuda::allow_smem(tile_backward_kernel<DB, kA, kW>, smem, "sparse_attention tile backward", kStaticSmem);
+      tile_backward_kernel<DB, kA, kW><<<(unsigned)grid, kThreads, smem, (cudaStream_t)stream>>>(gp, plan, z);
     };
-    if (z.vec_qk && z.vec_v) launch(std::true_type{});
-    else launch(std::false_type{});
+    launch_variant<DB>(gp.fwd, z, launch);
   });
   cuda::check_launch("sparse_attention tile backward");
 }
