@@ -120,6 +120,21 @@ struct FwdCfg {
   static constexpr size_t smem = SmemHead<kMode>::bytes + sizeof(bf16) * (kRows + 2 * NB * BN) * S;  // sQ, sK[NB], sV[NB]
 };
 
+// acc += P Y for a step's P (or dS) in s (16 rows a warp, 8 NT columns): on the warpgroup (kWg,
+// head dim 64: wgmma_accumulate_rs, waited for; every warp must call it) or by each warp's
+// mma.sync over its live column groups.
+template <bool kWg, int DB, int NT, class Lay>
+__device__ __forceinline__ void second_product(float (&acc)[DB / 8][4], const float (&s)[NT][4], const bf16* Y,
+                                               unsigned live) {
+  if constexpr (kWg) {
+    if constexpr (DB == 64) cuda::wgmma_accumulate_rs<NT / 2>(acc, s, Y);
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operands(acc);
+  } else {
+    warp_accumulate<DB, NT, Lay>(acc, s, Y, live);
+  }
+}
+
 // kSink: p.sink > 0 (A-shaped attention's sink tile); the plain causal form is compiled without it.
 // kW2 > 0: with kW, O += P V on the warpgroup too (wgmma_accumulate_rs), not by each warp's
 // mma.sync; 2: at 5 blocks an SM (at most 102 registers a thread).
@@ -243,13 +258,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kW2 == 2 ? 5 : kMinBlock
       if (all_visible(j0, j0 + BN - 1, lo_n, hi_n)) scores(std::false_type{});
       else scores(std::true_type{});
       online_softmax_step<NT, DT>(s, mx, m, l, o, dm.scale2);
-      if constexpr (kPV) {
-        if constexpr (DB == 64) cuda::wgmma_accumulate_rs<BN / 16>(o, s, sV);
-        cuda::wgmma_wait<0>();
-        cuda::wgmma_fence_operands(o);
-      } else {
-        warp_accumulate<DB, NT, Lay>(o, s, sV, live);
-      }
+      second_product<kPV, DB, NT, Lay>(o, s, sV, live);
     }
     if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
@@ -492,14 +501,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? kMinBlocks : 2)
       };
       if (all_visible(c0, c0 + SUB - 1, lo, hi)) grads(std::false_type{});
       else grads(std::true_type{});
-      // dQ += dS K
-      if constexpr (kDQ) {
-        if constexpr (DB == 64) cuda::wgmma_accumulate_rs<SUB / 16>(acc, s, sKs);
-        cuda::wgmma_wait<0>();
-        cuda::wgmma_fence_operands(acc);
-      } else {
-        warp_accumulate<DB, NT, Lay>(acc, s, sKs, live);
-      }
+      second_product<kDQ, DB, NT, Lay>(acc, s, sKs, live);  // dQ += dS K
     }
     if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
   }
@@ -796,20 +798,24 @@ VecLoads vec_loads(const CausalAttentionParams& p, std::initializer_list<const v
   return vec;
 }
 
+// A bit mask from the environment variable `name` (for comparisons): `fallback` when unset, else
+// an integer 0..max (a clear error otherwise; `bits` names the bits in it).
+int env_mask(const char* name, int fallback, int max, const char* bits) {
+  const char* e = std::getenv(name);
+  if (!e) return fallback;
+  char* end = nullptr;
+  const long m = std::strtol(e, &end, 10);
+  if (end == e || *end != '\0' || m < 0 || m > max)
+    throw std::runtime_error(std::string(name) + " = '" + e + "' must be a bit mask 0.." + std::to_string(max) +
+                             " (" + bits + ")");
+  return (int)m;
+}
+
 // Which kernels take the kTma path when it is possible: HAX_CAUSAL_TMA as a bit mask (1 forward,
 // 2 dQ, 4 dK/dV), for comparisons; unset: 7. dK/dV's ring also takes lse and Δ, by 2-d tensor
 // maps (L % 4 == 0, else dK/dV takes kCopy), so every ring is filled by TMA tensor copies only.
 int tma_mask() {
-  static const int mask = [] {
-    const char* e = std::getenv("HAX_CAUSAL_TMA");
-    if (!e) return 7;
-    char* end = nullptr;
-    const long m = std::strtol(e, &end, 10);
-    if (end == e || *end != '\0' || m < 0 || m > 7)
-      throw std::runtime_error(std::string("HAX_CAUSAL_TMA = '") + e +
-                               "' must be a bit mask 0..7 (1 forward, 2 dQ, 4 dK/dV)");
-    return (int)m;
-  }();
+  static const int mask = env_mask("HAX_CAUSAL_TMA", 7, 7, "1 forward, 2 dQ, 4 dK/dV");
   return mask;
 }
 
@@ -818,16 +824,8 @@ int tma_mask() {
 // 2 dQ, 4 dK/dV, 8 the forward at 5 blocks an SM, which its 96 registers allow), for comparisons;
 // unset: 15.
 int wgmma2_mask(const CausalAttentionParams& p) {
-  static const int mask = [] {
-    const char* e = std::getenv("HAX_CAUSAL_WGMMA2");
-    if (!e) return 15;
-    char* end = nullptr;
-    const long m = std::strtol(e, &end, 10);
-    if (end == e || *end != '\0' || m < 0 || m > 15)
-      throw std::runtime_error(std::string("HAX_CAUSAL_WGMMA2 = '") + e +
-                               "' must be a bit mask 0..15 (1 forward, 2 dQ, 4 dK/dV, 8 forward at 5 blocks an SM)");
-    return (int)m;
-  }();
+  static const int mask =
+      env_mask("HAX_CAUSAL_WGMMA2", 15, 15, "1 forward, 2 dQ, 4 dK/dV, 8 forward at 5 blocks an SM");
   return p.wgmma_products ? mask : 0;
 }
 
