@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -37,6 +38,20 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A kernel-form switch from the environment variable `name` (for timing comparisons): `fallback`
+// when unset, else an integer 0..max, with a clear error otherwise (`meaning` says what the values
+// choose). Read it once (a static) where a launch consults it.
+inline int env_switch(const char* name, int fallback, int max, const char* meaning) {
+  const char* e = std::getenv(name);
+  if (!e) return fallback;
+  char* end = nullptr;
+  const long m = std::strtol(e, &end, 10);
+  if (end == e || *end != '\0' || m < 0 || m > max)
+    throw std::runtime_error(std::string(name) + " = '" + e + "' must be an integer 0.." + std::to_string(max) +
+                             " (" + meaning + ")");
+  return (int)m;
+}
 
 // Whether ptr is non-null and 16-byte aligned (16-byte vector loads and stores, cp.async).
 __host__ __device__ inline bool aligned16(const void* ptr) {

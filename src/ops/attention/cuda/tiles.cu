@@ -609,15 +609,8 @@ Sizes sizes_of(const AttentionParams& p, const void* dout) {
 // products of two shared tiles only, 0 none (mma.sync; for comparisons).
 int tile_wgmma(const AttentionParams& p) {
   if (!p.wgmma_products) return 0;
-  static const int mode = [] {
-    const char* e = std::getenv("HAX_TILE_WGMMA");
-    if (!e) return 2;
-    const std::string v(e);
-    if (v != "0" && v != "1" && v != "2")
-      throw std::runtime_error("HAX_TILE_WGMMA = '" + v +
-                               "' must be 0 (mma.sync), 1 (wgmma for the products of two shared tiles) or 2 (all)");
-    return v[0] - '0';
-  }();
+  static const int mode = cuda::env_switch(
+      "HAX_TILE_WGMMA", 2, 2, "0 mma.sync, 1 wgmma for the products of two shared tiles, 2 wgmma for all");
   return mode;
 }
 

@@ -798,24 +798,11 @@ VecLoads vec_loads(const CausalAttentionParams& p, std::initializer_list<const v
   return vec;
 }
 
-// A bit mask from the environment variable `name` (for comparisons): `fallback` when unset, else
-// an integer 0..max (a clear error otherwise; `bits` names the bits in it).
-int env_mask(const char* name, int fallback, int max, const char* bits) {
-  const char* e = std::getenv(name);
-  if (!e) return fallback;
-  char* end = nullptr;
-  const long m = std::strtol(e, &end, 10);
-  if (end == e || *end != '\0' || m < 0 || m > max)
-    throw std::runtime_error(std::string(name) + " = '" + e + "' must be a bit mask 0.." + std::to_string(max) +
-                             " (" + bits + ")");
-  return (int)m;
-}
-
 // Which kernels take the kTma path when it is possible: HAX_CAUSAL_TMA as a bit mask (1 forward,
 // 2 dQ, 4 dK/dV), for comparisons; unset: 7. dK/dV's ring also takes lse and Δ, by 2-d tensor
 // maps (L % 4 == 0, else dK/dV takes kCopy), so every ring is filled by TMA tensor copies only.
 int tma_mask() {
-  static const int mask = env_mask("HAX_CAUSAL_TMA", 7, 7, "1 forward, 2 dQ, 4 dK/dV");
+  static const int mask = cuda::env_switch("HAX_CAUSAL_TMA", 7, 7, "a bit mask: 1 forward, 2 dQ, 4 dK/dV");
   return mask;
 }
 
@@ -825,7 +812,7 @@ int tma_mask() {
 // unset: 15.
 int wgmma2_mask(const CausalAttentionParams& p) {
   static const int mask =
-      env_mask("HAX_CAUSAL_WGMMA2", 15, 15, "1 forward, 2 dQ, 4 dK/dV, 8 forward at 5 blocks an SM");
+      cuda::env_switch("HAX_CAUSAL_WGMMA2", 15, 15, "a bit mask: 1 forward, 2 dQ, 4 dK/dV, 8 forward at 5 blocks an SM");
   return p.wgmma_products ? mask : 0;
 }
 
