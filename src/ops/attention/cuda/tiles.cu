@@ -23,9 +23,7 @@
 #include "ops/cuda/mma_bf16.cuh"
 #include "ops/cuda/wgmma.cuh"
 
-#include <cstdlib>
 #include <stdexcept>
-#include <string>
 #include <type_traits>
 
 namespace hax::ops {

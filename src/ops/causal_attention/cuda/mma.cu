@@ -578,6 +578,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
   using Lay = typename Cfg::Lay;
   constexpr bool kW = kMode == kTma && kWgmma;  // S^T and dP^T of each query step by the warpgroup
   constexpr bool kKV = kW && kW2 && DB == 64;   // dV and dK of each query step by the warpgroup
+  static_assert(!kKV || Cfg::BN / Cfg::SUB == 2, "kKV's waits are those of the two-step loop");
   constexpr int BN = Cfg::BN, SUB = Cfg::SUB, S = Cfg::S, NT = SUB / 8, DT = DB / 8;
   const CausalAttentionParams& p = gp.fwd;
   extern __shared__ uint4 smem_u4[];
@@ -764,12 +765,7 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? (kMode == kTma ? 3 : kMin
         float st[NT][4] = {}, dpt[NT][4] = {};  // rows: keys; columns: queries
         if constexpr (kW)
           cuda::wgmma_dot2<NT>(st, sK, sQ0 + (buf * BN + c0) * S, dpt, sV, sdO0 + (buf * BN + c0) * S);
-        finish(n, c0, st, dpt);
-        if constexpr (kKV) {
-          cuda::wgmma_wait<0>();
-          cuda::wgmma_fence_operands(dv);
-          cuda::wgmma_fence_operands(dk);
-        }
+        finish(n, c0, st, dpt);  // (never kKV: its head dim 64 takes the loop above)
       }
       if constexpr (kMode == kTma) ring.advance(n, tiles, fill);
     }
