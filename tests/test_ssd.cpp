@@ -212,6 +212,8 @@ TEST(SsdCuda, MatchesCpuFloat32) {
 }
 
 TEST(SsdCuda, Bfloat16CloseToFloat64Reference) {
+  // Both forms of the forward's chunk_scan (wgmma where the sizes allow it, and mma.sync) on the
+  // same draws: P 64 and 128 with N 64 or 128 take the wgmma form on an sm_90a build.
   HAX_REQUIRE_CUDA();
   torch::manual_seed(31);
   int k = 0;
@@ -219,8 +221,43 @@ TEST(SsdCuda, Bfloat16CloseToFloat64Reference) {
     for (int64_t P : kGpuHeadDims) {
       const int64_t N = kGpuStates[k % 3];
       SCOPED_TRACE(gpu_trace(L, P, N, k));
-      expect_cuda_bf16_close(without_dA(gpu_case(L, P, N, k++)));
+      const OpCase c = without_dA(gpu_case(L, P, N, k++));
+      with_same_draws([&] { expect_cuda_bf16_close(c); },
+                      [&] {
+                        SCOPED_TRACE("chunk_scan on mma.sync");
+                        ScopedSwitch mma(hax::ops::ssd_wgmma, hax::ops::set_ssd_wgmma, false);
+                        expect_cuda_bf16_close(c);
+                      });
     }
+}
+
+TEST(SsdCuda, ChunkScanFormsAgree) {
+  // The forward's two chunk_scan forms on the same bfloat16 inputs, at every size the wgmma form
+  // takes (P, N multiples of 64, N <= 128), with groups, packing, initial states, chunks of one
+  // and of several 64-step pieces, and lengths that end inside a piece: y within a few bfloat16
+  // roundings of each other (the products sum in another order), each also checked against the
+  // float64 recurrence by Bfloat16CloseToFloat64Reference.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(41);
+  for (int64_t L : {1, 63, 64, 97, 1025})
+    for (int64_t P : {64, 128})
+      for (int64_t N : {64, 128})
+        for (int64_t chunk : {64, 256}) {
+          const SsdSize z{2, L, 4, P, 2, N, chunk, true, true, true};
+          SCOPED_TRACE(::testing::Message() << "L=" << L << " P=" << P << " N=" << N << " chunk=" << chunk);
+          Tensors in = to_device(ssd_case(z).make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
+          torch::NoGradGuard no_grad;
+          const at::Tensor y1 = std::get<0>(ssd_forward(in[0], in[1], in[2], in[3], in[4], in[5], in[6], chunk));
+          at::Tensor y0;
+          {
+            ScopedSwitch mma(hax::ops::ssd_wgmma, hax::ops::set_ssd_wgmma, false);
+            y0 = std::get<0>(ssd_forward(in[0], in[1], in[2], in[3], in[4], in[5], in[6], chunk));
+          }
+          const at::Tensor a = y1.to(at::kCPU).to(at::kDouble), b = y0.to(at::kCPU).to(at::kDouble);
+          ASSERT_TRUE(a.isfinite().all().item<bool>());
+          const double scale = std::max(1.0, b.abs().max().item<double>());
+          EXPECT_LE((a - b).abs().max().item<double>(), 2e-2 * scale);
+        }
 }
 
 TEST(SsdCuda, Bfloat16DaMatchesReferenceOnTheSameCotangents) {
@@ -252,6 +289,15 @@ TEST(SsdCuda, EmptySequenceAndOddSizes) {
   expect_cuda_matches_cpu(ssd_case({3, 70, 4, 3, 2, 5, 16, true, true, true}), 1e-4, 1e-4);
   expect_cuda_matches_cpu(ssd_case({1, 130, 2, 72, 1, 136, 64, false, true, true}), 1e-4, 1e-4);
   expect_cuda_bf16_close(without_dA(ssd_case({3, 70, 4, 3, 2, 5, 16, true, true, true})));
+}
+
+TEST(SsdCuda, ManyHeadsPerGroupBfloat16) {
+  // Many heads a group, bfloat16 against float64: 10 heads in each of two groups at N = 128, and 16
+  // heads of one group at P = 128 (the benchmark's head count), with the wgmma chunk_scan.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(42);
+  expect_cuda_bf16_close(without_dA(ssd_case({1, 300, 20, 64, 2, 128, 64, true, true, true})));
+  expect_cuda_bf16_close(without_dA(ssd_case({1, 200, 16, 128, 1, 64, 64, true, false, true})));
 }
 
 TEST(SsdCuda, LongSequenceMatchesCpu) {

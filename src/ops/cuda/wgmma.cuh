@@ -56,22 +56,24 @@ __device__ __forceinline__ void wgmma_wait() {
 // d (64 x 64 float32, this thread's share) (+)= A (64 x 16) B (64 x 16)^T from descriptors;
 // accumulate = false overwrites d. kTrans (both operands transposed): d (+)= X^T Y for swizzled
 // tiles X (16 k rows by 64 m columns, read "M-major") and Y (16 k rows by 64 n columns, read
-// "N-major"), with the same descriptors (see wgmma_m64n64k16_rs).
-template <bool kTrans = false>
+// "N-major"), with the same descriptors (see wgmma_m64n64k16_rs). kTransB alone (kTrans false):
+// d (+)= A Y, A K-major as in the plain form and Y N-major (the SSD's C S_enter: C's rows of
+// state entries times the state's rows of head-dim columns).
+template <bool kTrans = false, bool kTransB = kTrans>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   HAX_WGMMA_ASM(
       "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, %35, %35;\n}\n"
+      "%32, %33, p, 1, 1, %35, %36;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
         "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
         "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
         "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
         "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate), "n"(kTrans ? 1 : 0));
+      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate), "n"(kTrans ? 1 : 0), "n"(kTransB ? 1 : 0));
 }
 
 // The same with N = 32: d is 64 x 32.

@@ -1,6 +1,8 @@
 // Binding layer of the SSD scan: tensor checks, dispatch to the kernels, autograd.
 #include <torch/torch.h>
 
+#include <atomic>
+
 #include "core/error.h"
 #include "ops/backend.h"
 #include "ops/check.h"
@@ -10,6 +12,7 @@ namespace hax::ops {
 namespace {
 
 constexpr const char* kOp = "ssd";
+std::atomic<bool> g_wgmma{true};  // SsdParams::wgmma of every call (set_ssd_wgmma)
 
 struct Dims {
   int64_t B, L, H, P, G, N;
@@ -46,10 +49,14 @@ SsdParams make_params(const Dims& d, int64_t chunk, const at::Tensor& x, const a
   p.x = x.data_ptr(), p.dt = dt.data_ptr(), p.A = A.data_ptr(), p.Bm = Bm.data_ptr(), p.Cm = Cm.data_ptr();
   p.init_state = init.defined() ? init.data_ptr() : nullptr;
   p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
+  p.wgmma = g_wgmma.load();
   return p;
 }
 
 }  // namespace
+
+void set_ssd_wgmma(bool on) { g_wgmma.store(on); }
+bool ssd_wgmma() { return g_wgmma.load(); }
 
 namespace {
 

@@ -32,6 +32,8 @@ struct SsdParams {
                                 // C B^T (SsdScratch), kept from the forward for the backward; null: in workspace
   bool prepped = false;         // CUDA backward: `prep` holds the forward's values (same inputs), so the
                                 // backward does not compute them again
+  bool wgmma = true;            // CUDA bfloat16 on sm_90a builds: the forward's chunk_scan on warpgroup
+                                // products where its sizes allow (chunk_scan_wgmma.cuh); false: mma.sync
 
   HAX_HOST_DEVICE int64_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many

@@ -19,6 +19,13 @@
 
 namespace hax::ops {
 
+// Whether the CUDA forward runs chunk_scan on warpgroup products (wgmma) where the build targets
+// sm_90a and the sizes allow it (bfloat16, P and N multiples of 64, N <= 128): process-wide,
+// default on. Off: the mma.sync kernel for every size (the tests run both). HAX_SSD_WGMMA=0 in the
+// environment keeps the mma.sync kernel whatever this says (for timing comparisons).
+void set_ssd_wgmma(bool on);
+bool ssd_wgmma();
+
 // CPU kernels (float or double), parallel over (batch, head).
 void ssd_forward_cpu(const SsdParams& p, at::ScalarType dtype);
 void ssd_backward_cpu(const SsdGradParams& p, at::ScalarType dtype);

@@ -9,7 +9,9 @@
 //   4. state_pass_kernel  sequential over sub-chunks, parallel over (row, head, state entry): the
 //                         state entering each sub-chunk (in place), chunk_states, final_state
 //   5. chunk_scan_kernel  y = diag(re) C S_enter^T + (C B^T ∘ decay mask) (dt x), into one
-//                         accumulator tile
+//                         accumulator tile; for bfloat16 with P, N multiples of 64 and N <= 128,
+//                         chunk_scan_wg_kernel instead (chunk_scan_wgmma.cuh: warpgroup products,
+//                         the mask in registers; H200, ncu at 64K: 461 -> 311 us)
 // Launch shapes: 64 x 64 tiles on 128 threads (tile.cuh); kernels 2, 3, 5 take one block per
 // (sub-chunk, row, head or group[, tile]); the pass takes one thread per state entry.
 // Speed: every kernel is bound by getting its operands into shared memory, so staging is
@@ -28,6 +30,7 @@
 // sub-chunks when a chunk has several (otherwise chunk_states holds them).
 #include "ops/cuda/side_stream.cuh"
 #include "ops/ssd/cuda/chunk.cuh"
+#include "ops/ssd/cuda/chunk_scan_wgmma.cuh"
 
 namespace hax::ops {
 namespace ssd_cuda {
@@ -43,7 +46,7 @@ namespace {
 // copy is in flight; y goes out through sA in 16-byte runs of its rows (y 16-byte aligned).
 // Grid: (S * B * H, ceil(P / 64)); block h + H (s + S b) (chunk.cuh: heads fastest).
 template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParams p, SsdScratch w, const T* states) {
+__device__ __forceinline__ void chunk_scan_mma(const SsdParams& p, const SsdScratch& w, const T* states) {
   using S_t = typename Operand<T>::S;
   constexpr bool kAsync = kVec && std::is_same_v<T, __nv_bfloat16>;
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
@@ -173,6 +176,19 @@ __global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParam
   });
 }
 
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads, kMinScan) chunk_scan_kernel(SsdParams p, SsdScratch w, const T* states) {
+  chunk_scan_mma<T, kVec>(p, w, states);
+}
+
+// The wgmma form (chunk_scan_wgmma.cuh) where this binary has wgmma; the mma.sync form in builds
+// for other GPUs (the host cannot tell which binary a device runs without a probe).
+__global__ void __launch_bounds__(kThreads, kMinScanWg)
+    chunk_scan_wg_kernel(SsdParams p, SsdScratch w, const __nv_bfloat16* states) {
+  if constexpr (cuda::kHaveWgmma) chunk_scan_wg(p, w, states);
+  else chunk_scan_mma<__nv_bfloat16, true>(p, w, states);
+}
+
 template <class T>
 void forward(const SsdParams& p, cudaStream_t stream) {
   const int64_t S = p.nsubs(), B = p.batch, H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
@@ -198,6 +214,13 @@ void forward(const SsdParams& p, cudaStream_t stream) {
   cuda::SideStream::join(stream);
   if (B * S * H * tiles_p > 0) {
     const dim3 grid((unsigned)(B * S * H), (unsigned)tiles_p);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (vec && chunk_scan_wg_applies(p, states)) {
+        chunk_scan_wg_kernel<<<grid, kThreads, 0, stream>>>(p, w, states);
+        cuda::check_launch("ssd_forward_cuda");
+        return;
+      }
+    }
     if (vec) chunk_scan_kernel<T, true><<<grid, kThreads, 0, stream>>>(p, w, states);
     else chunk_scan_kernel<T, false><<<grid, kThreads, 0, stream>>>(p, w, states);
   }
