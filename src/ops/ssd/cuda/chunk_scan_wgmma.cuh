@@ -119,7 +119,7 @@ __device__ __forceinline__ void chunk_scan_wg(const SsdParams& p, const SsdScrat
   __syncthreads();
   wg_split_product(acc, ahi, alo, sX);
   // 5. y through sC[0] (every warp waited for step 3 before the last barrier), 16-byte runs out.
-  wg_store_tile(sC[0], acc, [](int, int, int, float&, float&) {});
+  wg_store_tile(sC[0], acc);
   __syncthreads();
   wg_copy_out((bf16*)p.y + ((b * L + u.t0) * H + h) * P + p0, H * P, sC[0], u.len);
 }

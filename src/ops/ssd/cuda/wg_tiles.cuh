@@ -44,10 +44,6 @@ __device__ __forceinline__ void copy_swizzled(__nv_bfloat16* dst, const __nv_bfl
   }
 }
 
-// The pair of entries (r, c), (r, c + 1) of a swizzled tile (c even) as one 32-bit word.
-__device__ __forceinline__ uint32_t* swizzled_pair_at(__nv_bfloat16* tile, int r, int c) {
-  return reinterpret_cast<uint32_t*>(cuda::Swizzle128::at(tile, r, c & ~7) + (c & 7));
-}
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
@@ -93,20 +89,17 @@ __device__ __forceinline__ void split_pair(float m0, float m1, uint32_t& hi, uin
   lo = pack_bf16(m0 - bf16_lo(hi), m1 - bf16_hi(hi));
 }
 
-// Writes the 64 x 64 accumulator, each pair f(r, row, col, a, b) -> (a', b') rounded, into a
-// swizzled tile; the caller synchronizes before the tile is read. (Warp w of the warpgroup: rows
-// 16w + lane / 4 (r = 0) and + 8 (r = 1).)
-template <class F>
-__device__ __forceinline__ void wg_store_tile(__nv_bfloat16* tile, const float (&acc)[8][4], F&& f) {
+// Writes the 64 x 64 accumulator, rounded, into a swizzled tile (each pair of adjacent columns one
+// 32-bit store); the caller synchronizes before the tile is read. (Warp w of the warpgroup holds
+// rows 16w + lane / 4 and + 8.)
+__device__ __forceinline__ void wg_store_tile(__nv_bfloat16* tile, const float (&acc)[8][4]) {
   const int lane = threadIdx.x & 31, r0 = 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2), c0 = 2 * (lane & 3);
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float a = acc[j][2 * r], b = acc[j][2 * r + 1];
-      f(r, r0 + 8 * r, 8 * j + c0, a, b);
-      *swizzled_pair_at(tile, r0 + 8 * r, 8 * j + c0) = pack_bf16(a, b);
-    }
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<uint32_t*>(cuda::Swizzle128::at(tile, r0 + 8 * r, 8 * j) + c0) =
+          pack_bf16(acc[j][2 * r], acc[j][2 * r + 1]);
 }
 
 // Copies rows r < rows of a swizzled tile to dst + r ld in 16-byte runs (dst 16-byte aligned rows),
