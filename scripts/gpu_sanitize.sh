@@ -5,7 +5,7 @@
 #              tests (set `ops`, about 2 min on an H100), the model and training tests (`models`,
 #              about 10 min, 7 of them for the two deterministic-mode training tests) and the
 #              step-graph tests (`graphs`, over 4 min: the first alone took 2.5)
-#   racecheck: 27 small tests that together launch every kernel file using shared memory
+#   racecheck: 28 small tests that together launch every kernel file using shared memory
 #              (about 3 min). racecheck runs about 100 times slower than a plain run, so the
 #              larger tests do not fit. (Set `race`.)
 # Usage: scripts/gpu_sanitize.sh [BUILD_DIR [SET]]   (default build-d, all sets; one set at a time
@@ -31,6 +31,7 @@ SMALL+=':Conv1dCuda.EmptyRowKeepsTheState:RankingLossCuda.Bfloat16CloseToFloat64
 SMALL+=':RmsNormCuda.MatchesCpuFloat32AndBf16:SelectiveScanCuda.GradientsAreBitIdenticalAcrossRuns'
 SMALL+=':SelectiveScanCuda.CheckpointsAreTheCpuCheckpoints:SsdCuda.EmptySequenceAndOddSizes'
 SMALL+=':SsdCuda.FinalStateContinuesTheScan:SsdCuda.BackwardIsDeterministic:PatternCuda.LshBucketsEqualCpu'
+SMALL+=':SsdCuda.ManyHeadsPerGroupBfloat16'
 SMALL+=':PatternCuda.MergeAndKeyCountsEqualCpu:PrefixDirectionCuda.StridedQAndOddSizes'
 SMALL+=':PrefixDirectionCuda.ZeroSumGivesZero:PatternCuda.TopKPrefixEqualCpu'
 SMALL+=':SsmStepCuda.Conv1dStepMatchesCpuFloat32AndBf16:LshBandCuda.AttentionMatchesCpuFloat32AndBf16'

@@ -212,8 +212,9 @@ TEST(SsdCuda, MatchesCpuFloat32) {
 }
 
 TEST(SsdCuda, Bfloat16CloseToFloat64Reference) {
-  // Both forms of the forward's chunk_scan (wgmma where the sizes allow it, and mma.sync) on the
-  // same draws: P 64 and 128 with N 64 or 128 take the wgmma form on an sm_90a build.
+  // Both forms of the kernels (wgmma where the sizes allow it: the forward's chunk_scan and the
+  // local states of both directions; and mma.sync) on the same draws: P 64 and 128 with N 64 or
+  // 128 take the wgmma forms on an sm_90a build.
   HAX_REQUIRE_CUDA();
   torch::manual_seed(31);
   int k = 0;
@@ -224,39 +225,34 @@ TEST(SsdCuda, Bfloat16CloseToFloat64Reference) {
       const OpCase c = without_dA(gpu_case(L, P, N, k++));
       with_same_draws([&] { expect_cuda_bf16_close(c); },
                       [&] {
-                        SCOPED_TRACE("chunk_scan on mma.sync");
+                        SCOPED_TRACE("mma.sync kernels");
                         ScopedSwitch mma(hax::ops::ssd_wgmma, hax::ops::set_ssd_wgmma, false);
                         expect_cuda_bf16_close(c);
                       });
     }
 }
 
-TEST(SsdCuda, ChunkScanFormsAgree) {
-  // The forward's two chunk_scan forms on the same bfloat16 inputs, at every size the wgmma form
-  // takes (P, N multiples of 64, N <= 128), with groups, packing, initial states, chunks of one
-  // and of several 64-step pieces, and lengths that end inside a piece: y within a few bfloat16
-  // roundings of each other (the products sum in another order), each also checked against the
-  // float64 recurrence by Bfloat16CloseToFloat64Reference.
+TEST(SsdCuda, WgmmaFormsAgree) {
+  // The wgmma kernels (the forward's chunk_scan, the local states of both directions) against the
+  // mma.sync ones on the same bfloat16 inputs and cotangents, at every size the wgmma forms take
+  // (P, N multiples of 64, N <= 128), with groups, packing, initial states, chunks of one and of
+  // several 64-step pieces, and lengths that end inside a piece: y, the final state and the
+  // gradients of x, dt, B, C and the initial state within a few bfloat16 roundings of each other
+  // (the products sum in another order); each form is also checked against the float64
+  // recurrence by Bfloat16CloseToFloat64Reference.
   HAX_REQUIRE_CUDA();
   torch::manual_seed(41);
   for (int64_t L : {1, 63, 64, 97, 1025})
     for (int64_t P : {64, 128})
       for (int64_t N : {64, 128})
         for (int64_t chunk : {64, 256}) {
-          const SsdSize z{2, L, 4, P, 2, N, chunk, true, true, true};
+          const OpCase c = without_dA(ssd_case({2, L, 4, P, 2, N, chunk, true, true, true}));
           SCOPED_TRACE(::testing::Message() << "L=" << L << " P=" << P << " N=" << N << " chunk=" << chunk);
-          Tensors in = to_device(ssd_case(z).make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
-          torch::NoGradGuard no_grad;
-          const at::Tensor y1 = std::get<0>(ssd_forward(in[0], in[1], in[2], in[3], in[4], in[5], in[6], chunk));
-          at::Tensor y0;
-          {
-            ScopedSwitch mma(hax::ops::ssd_wgmma, hax::ops::set_ssd_wgmma, false);
-            y0 = std::get<0>(ssd_forward(in[0], in[1], in[2], in[3], in[4], in[5], in[6], chunk));
-          }
-          const at::Tensor a = y1.to(at::kCPU).to(at::kDouble), b = y0.to(at::kCPU).to(at::kDouble);
-          ASSERT_TRUE(a.isfinite().all().item<bool>());
-          const double scale = std::max(1.0, b.abs().max().item<double>());
-          EXPECT_LE((a - b).abs().max().item<double>(), 2e-2 * scale);
+          const Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
+          const Tensors w = random_cotangents(c.op(clone_leaves(in)));
+          const auto wg = run_on_device(c.op, in, w);
+          ScopedSwitch mma(hax::ops::ssd_wgmma, hax::ops::set_ssd_wgmma, false);
+          expect_runs_close(wg, run_on_device(c.op, in, w), 2e-2);
         }
 }
 
@@ -293,7 +289,7 @@ TEST(SsdCuda, EmptySequenceAndOddSizes) {
 
 TEST(SsdCuda, ManyHeadsPerGroupBfloat16) {
   // Many heads a group, bfloat16 against float64: 10 heads in each of two groups at N = 128, and 16
-  // heads of one group at P = 128 (the benchmark's head count), with the wgmma chunk_scan.
+  // heads of one group at P = 128 (the benchmark's head count), with the wgmma forms.
   HAX_REQUIRE_CUDA();
   torch::manual_seed(42);
   expect_cuda_bf16_close(without_dA(ssd_case({1, 300, 20, 64, 2, 128, 64, true, true, true})));

@@ -32,8 +32,9 @@ struct SsdParams {
                                 // C B^T (SsdScratch), kept from the forward for the backward; null: in workspace
   bool prepped = false;         // CUDA backward: `prep` holds the forward's values (same inputs), so the
                                 // backward does not compute them again
-  bool wgmma = true;            // CUDA bfloat16 on sm_90a builds: the forward's chunk_scan on warpgroup
-                                // products where its sizes allow (chunk_scan_wgmma.cuh); false: mma.sync
+  bool wgmma = true;            // CUDA bfloat16 on sm_90a builds: chunk_scan, the local states and dB/dC
+                                // on warpgroup products where their sizes allow (cuda/*_wgmma.cuh);
+                                // false: mma.sync
 
   HAX_HOST_DEVICE int64_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many
@@ -83,7 +84,8 @@ struct SsdScratch {
                              // chunk_states holds them (one sub-chunk per chunk)
   void* dstates = nullptr;   // backward (B, H, S, N, P), x's dtype: gradient of the state leaving each sub-chunk
   float* dcb = nullptr;      // backward (B, G, S, 64, 64): d(C_i . B_j) summed over the group's heads
-  float* rows = nullptr;     // backward (4, B, H, S, 64): per-step terms of d(cs): intra, v, u, x.dXd
+  float* rows = nullptr;     // backward (5, B, H, S, 64): per-step terms of d(cs): intra, v, u, x.dXd,
+                             // and u's second part where it comes in two (cuda/grad_rows.cuh)
   float* dg = nullptr;       // backward (B, H, S): d(cs_last) from the entering state's decay
   float* dA_sub = nullptr;   // backward (B, H, S): dA of each sub-chunk
   int64_t total = 0;         // float32 entries in all
@@ -130,7 +132,7 @@ inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, int64_t st
   if (backward) {
     s.dstates = take(state_entries);
     s.dcb = take(BG * S * T * T);
-    s.rows = take(4 * BH * S * T);
+    s.rows = take(5 * BH * S * T);
     s.dg = take(BH * S);
     s.dA_sub = take(BH * S);
   }

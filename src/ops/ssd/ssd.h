@@ -19,10 +19,12 @@
 
 namespace hax::ops {
 
-// Whether the CUDA forward runs chunk_scan on warpgroup products (wgmma) where the build targets
-// sm_90a and the sizes allow it (bfloat16, P and N multiples of 64, N <= 128): process-wide,
-// default on. Off: the mma.sync kernel for every size (the tests run both). HAX_SSD_WGMMA=0 in the
-// environment keeps the mma.sync kernel whatever this says (for timing comparisons).
+// Whether the CUDA SSD runs its warpgroup-product (wgmma) kernels where the build targets sm_90a
+// and the sizes allow it (bfloat16, P and N multiples of 64, N <= 128): the forward's chunk_scan,
+// the local states of both directions, and the backward's dB/dC (which then also gives dx's u
+// term); process-wide, default on. Off: the mma.sync kernels for every size (the tests run both).
+// HAX_SSD_WGMMA=0 in the environment keeps the mma.sync kernels whatever this says (for timing
+// comparisons).
 void set_ssd_wgmma(bool on);
 bool ssd_wgmma();
 

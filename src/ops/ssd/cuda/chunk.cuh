@@ -169,6 +169,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(SsdParams p, S
 //     with it and copied out in 16-byte runs of its rows (out 16-byte aligned; else pair stores).
 //   - otherwise (local_state_staged): coef U is the computed (split) operand, staged [n][j] for
 //     every n tile, and V [q][j] once.
+// On sm_90a, bfloat16 with P and N multiples of 64 and N <= 128 runs local_state_wgmma.cuh's form
+// instead (launch_local_state chooses).
 
 // The staged form: A(n, j) = coef_j U_j[n] per n tile (hi + lo), B(q, j) = V_j[q].
 template <class T, bool kGrad, bool kVec>

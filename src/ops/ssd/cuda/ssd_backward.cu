@@ -15,14 +15,17 @@
 //        the forward's cs, decay and cb, 20 MB at L = 64K, H 16, and saves their ~40 us)
 //   3.   with several sub-chunks per chunk: local states + a pass restarted from chunk_states at
 //        each chunk, giving the entering state of every sub-chunk (else chunk_states has them)
-//   4.   local_state_kernel<kGrad>: Σ_i re_i C_i dy_i^T per sub-chunk
+//   4.   local_state_kernel<kGrad>: Σ_i re_i C_i dy_i^T per sub-chunk (or its wgmma form,
+//        local_state_wgmma.cuh, launch_local_state)
 //   5.   state_pass_kernel<kReverse>: dS of every sub-chunk, dinit
 //   6.   dx_kernel    per (row, head, sub-chunk): dx, and the per-step v, u, x.dXd, and g <dS, S>
+//                    (u not where 8 runs its wgmma form: kY false)
 //   7.   dcb_kernel   per (row, group, sub-chunk), heads in order: dM, intra_i, dCB summed over heads
 //                    (launched after 4 on a side stream, ops/cuda/side_stream.cuh: it needs neither
 //                    states nor dx's results, and runs beside 5 and 6; joined before 8)
 //   8.   dbdc_kernel  per (row, group, sub-chunk, 64 columns of N, dB or dC): heads summed in the
-//                    product's k (no atomics)
+//                    product's k (no atomics); its wgmma form (dbdc_wgmma.cuh) also gives u, in
+//                    a part per 64 columns of N (grad_rows.cuh)
 //   9.   ddt_kernel   one thread per (row, head, sub-chunk): d(cs), its reverse cumsum, ddt, dA
 //  10.   da_kernel    block per (row, head): dA_part summed over sub-chunks (fixed order)
 // Every reduction has a fixed order: the backward is deterministic.
@@ -51,18 +54,18 @@
 // dx 1.04 -> 0.91 ms; local_state (gradient) is 0.25 ms now, dbdc 0.52, dcb 0.30, pass 0.20.
 // With chunk.cuh's heads-fastest block order and dbdc's row factors loaded a head ahead
 // (2026-11-24): dx 0.83, dbdc 0.37, local_state (gradient) 0.23, dcb 0.30, pass 0.20 ms.
+// With the wgmma forms (H200, ncu, L = 64K, 2026-11-29, BENCHMARKS.md pass 29): local_state
+// (either direction) 0.25 -> 0.20 ms; dB/dC 0.38 (mma.sync) -> 0.42 ms with u moved into it, and dx
+// without the Y product 0.83 -> 0.67 ms; `hax bench ssm` fwd+bwd at 64K 2.33-2.37 -> 2.10-2.19 ms.
 #include "ops/cuda/side_stream.cuh"
-#include "ops/ssd/cuda/chunk.cuh"
+#include "ops/ssd/cuda/dbdc_wgmma.cuh"
+#include "ops/ssd/cuda/grad_rows.cuh"
+#include "ops/ssd/cuda/local_state_wgmma.cuh"
 
 namespace hax::ops {
 namespace ssd_cuda {
 namespace {
 
-enum Row { kIntra = 0, kV = 1, kU = 2, kXdot = 3 };  // pieces of SsdScratch::rows
-
-__device__ __forceinline__ float* row_terms(const SsdParams& p, const SsdScratch& w, Row r, int64_t bhs) {
-  return w.rows + ((int64_t)r * p.batch * p.nheads * p.nsubs() + bhs) * kT;
-}
 
 // for_each over the thread's elements (same order) with v, the entry (i, q) of a raw bfloat16
 // 64 x 64 tile in shared memory (rows Operand::kLd apart): f(mi, ni, r, i, q, rs, v). Each pair of
@@ -94,11 +97,15 @@ __device__ __forceinline__ void for_each_entry(const __nv_bfloat16* tile, F&& f)
 // 16-byte store per octet and half, and read by ldmatrix.trans as A (mma_slab_tt, hi then lo).
 // Staged transposed ([q][n] and [j][i]), each octet was 8 scattered 2-byte shared stores.
 // Grid: S * B * H blocks; block h + H (s + S b) (chunk.cuh: heads fastest).
-template <class T, bool kVec>
+// kY false (bfloat16 with kVec, where dbdc_wg gives u: dbdc_wgmma.cuh): no Y product and no u;
+// S is still read, beside dS's tile in the X product, for <dS, S>. (Builds without wgmma, whose
+// dbdc_wg_kernel runs the mma.sync form, keep Y and write u whole, kU2 zero.)
+template <class T, bool kVec, bool kY = true>
 __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
   constexpr bool kTiles = kVec && std::is_same_v<T, __nv_bfloat16>;
+  constexpr bool kWithY = kY || !kTiles || !cuda::kHaveWgmma;
   constexpr int ld = Operand<T>::kLd;  // of the tiles too: the epilogues' accesses are conflict-free
   // sA: C or B [i][n], then M (kTiles: [i][j], else [j][i]) with its lo half in sL; sB: S or dS
   // (kTiles: [n][q] as in global memory, else [q][n]).
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   for (int64_t p0 = 0; p0 < P; p0 += kT) {
     // One accumulator tile at a time (registers): Y first, folded into u, then X.
     Acc ax;
-    {
+    if constexpr (kWithY) {
       Acc& ay = ax;
       ay.zero();
 #pragma unroll 1
@@ -235,6 +242,17 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
         cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(sB, ds + n0 * P + p0, P, 0, kn, kp);
         cuda::cp_async_commit();
       }
+      // Without Y: S's octets at the places of the thread's octets of the dS tile, for <dS, S>.
+      uint4 sr[4];
+      if constexpr (!kWithY) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int k, q;
+          oct_pos<true>(e, k, q);
+          sr[e] = make_uint4(0u, 0u, 0u, 0u);
+          if (k < kn && p0 + q < P) sr[e] = __ldg(reinterpret_cast<const uint4*>(st + (n0 + k) * P + p0 + q));
+        }
+      }
       stage_op<kVec, true, false>(
           sA, sA, kk, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ldn + n0 + k]) : 0.f; },
           [&](int j, int k, float(&v)[8]) { load8(Bm + j * ldn + n0 + k, j < u.len && k < kn, v); });
@@ -246,6 +264,20 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
             [&](int q, int k, float(&v)[8]) { load8(ds + (n0 + k) * P + p0 + q, k < kn && p0 + q < P, v); });
       }
       __syncthreads();
+      if constexpr (!kWithY) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int k, q;
+          oct_pos<true>(e, k, q);
+          const uint4 dr = *reinterpret_cast<const uint4*>(sB + k * ld + q);  // zeros past kn, P
+          const uint32_t a[4] = {sr[e].x, sr[e].y, sr[e].z, sr[e].w}, d[4] = {dr.x, dr.y, dr.z, dr.w};
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            dot += __uint_as_float(a[m] << 16) * __uint_as_float(d[m] << 16);
+            dot += __uint_as_float(a[m] & 0xffff0000u) * __uint_as_float(d[m] & 0xffff0000u);
+          }
+        }
+      }
       if constexpr (kTiles) mma_slab_kn(ax, sA, sB, kk);  // sB as [k][q]
       else mma_slab(ax, sA, sB, kk);
       __syncthreads();
@@ -343,8 +375,11 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   const int64_t bhs = bh * S + s;
   row_sums(vpart, scratch, red);
   if (threadIdx.x < kT) row_terms(p, w, kV, bhs)[threadIdx.x] = red[threadIdx.x];
-  row_sums(upart, scratch, red);
-  if (threadIdx.x < kT) row_terms(p, w, kU, bhs)[threadIdx.x] = red[threadIdx.x];
+  if constexpr (kWithY) {
+    row_sums(upart, scratch, red);
+    if (threadIdx.x < kT) row_terms(p, w, kU, bhs)[threadIdx.x] = red[threadIdx.x];
+    if (!kY && threadIdx.x < kT) row_terms(p, w, kU2, bhs)[threadIdx.x] = 0.f;
+  }
   row_sums(xpart, scratch, red);
   if (threadIdx.x < kT) row_terms(p, w, kXdot, bhs)[threadIdx.x] = red[threadIdx.x];
   const float total = block_sum(dot, scratch);
@@ -446,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
 // along k, so cp.async copies them into a second pair of buffers, the next slab's while the
 // current one multiplies, instead of staging each through registers between barriers.
 template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
+__device__ __forceinline__ void dbdc_mma(const SsdGradParams& gp, const SsdScratch& w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
   constexpr bool kAsync = kVec && std::is_same_v<T, __nv_bfloat16>;
@@ -567,14 +602,28 @@ __global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams 
   });
 }
 
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads, kMinDbdc) dbdc_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
+  dbdc_mma<T, kVec>(gp, w, states);
+}
+
+// The wgmma form (dbdc_wgmma.cuh) where this binary has wgmma; the mma.sync form in builds for
+// other GPUs.
+__global__ void __launch_bounds__(kThreads, kMinDbdcWg)
+    dbdc_wg_kernel(SsdGradParams gp, SsdScratch w, const __nv_bfloat16* states) {
+  if constexpr (cuda::kHaveWgmma) dbdc_wg(gp, w, states);
+  else dbdc_mma<__nv_bfloat16, true>(gp, w, states);
+}
+
 // d(cs) of one (row, head, sub-chunk), its reverse cumsum da, ddt and the sub-chunk's dA.
 // One thread each, index ((b S + s) H + h), steps in the CPU's order. The thread's rows of v (all
 // of it, for vsum) and then, 16 steps at a time from the end, of intra, u, x.dXd and dt are loaded
 // into registers first, as independent loads (16 bytes each for the rows): loaded one step at a
 // time inside the loops, each load waited on before the next (the ddt stores may alias them for
 // the compiler), the kernel took 45 us at L = 64K, H = 16 on the H100.
+// u_split: u comes in two parts (kU + kU2: dbdc_wg with N = 128 and dx_kernel<.., false>).
 template <class T>
-__global__ void ddt_kernel(SsdGradParams gp, SsdScratch w) {
+__global__ void ddt_kernel(SsdGradParams gp, SsdScratch w, bool u_split) {
   const SsdParams& p = gp.fwd;
   const int64_t H = p.nheads, S = p.nsubs();
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -586,6 +635,7 @@ __global__ void ddt_kernel(SsdGradParams gp, SsdScratch w) {
   const float4* intra = reinterpret_cast<const float4*>(row_terms(p, w, kIntra, bhs));
   const float4* vrow = reinterpret_cast<const float4*>(row_terms(p, w, kV, bhs));
   const float4* uu = reinterpret_cast<const float4*>(row_terms(p, w, kU, bhs));
+  const float4* uu2 = reinterpret_cast<const float4*>(row_terms(p, w, kU2, bhs));
   const float4* xd = reinterpret_cast<const float4*>(row_terms(p, w, kXdot, bhs));
   const float A = to_f32(((const T*)p.A)[h]);
   const T* dt = (const T*)p.dt + (b * p.seqlen + u.t0) * H + h;
@@ -613,6 +663,11 @@ __global__ void ddt_kernel(SsdGradParams gp, SsdScratch w) {
       const float4 a4 = intra[c * kC / 4 + i], u4 = uu[c * kC / 4 + i], x4 = xd[c * kC / 4 + i];
 #pragma unroll
       for (int e = 0; e < 4; ++e) in[4 * i + e] = at(a4, e), uv[4 * i + e] = at(u4, e), xv[4 * i + e] = at(x4, e);
+      if (u_split) {
+        const float4 u4b = uu2[c * kC / 4 + i];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) uv[4 * i + e] += at(u4b, e);
+      }
     }
 #pragma unroll
     for (int i = 0; i < kC; ++i) dv[i] = c * kC + i < len ? to_f32(dt[(c * kC + i) * H]) : 0.f;
@@ -655,8 +710,7 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   const SsdParams& p = gp.fwd;
   const int64_t S = p.nsubs(), B = p.batch, H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
   const SsdScratch w = ssd_cuda_scratch(p, true, sizeof(T), (float*)p.workspace);
-  const int64_t tiles_n = (N + kT - 1) / kT, tiles_p = (P + kT - 1) / kT;
-  const dim3 state_grid((unsigned)(B * S * H), (unsigned)tiles_p);
+  const int64_t tiles_n = (N + kT - 1) / kT;
   const bool has_states = N * P > 0;
   const unsigned thread_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
 
@@ -671,30 +725,39 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   if (w.states) {
     states = (T*)w.states;
     if (has_states) {
-      if (vec) local_state_kernel<T, false, true><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
-      else local_state_kernel<T, false, false><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
+      launch_local_state<T, false>(p, w, (const T*)p.x, states, vec, stream);
       launch_state_pass<T, false>(p, w, states, true, nullptr, nullptr, stream);
     }
   }
   // The gradient of the state leaving each sub-chunk, and dinit. dcb needs neither states nor
   // dx's results: it runs on a side stream beside the pass (memory-bound, a block an SM) and dx.
   if (has_states) {
-    if (vec) local_state_kernel<T, true, true><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, (T*)w.dstates);
-    else local_state_kernel<T, true, false><<<state_grid, kThreads, 0, stream>>>(p, w, (const T*)gp.dy, (T*)w.dstates);
+    launch_local_state<T, true>(p, w, (const T*)gp.dy, (T*)w.dstates, vec, stream);
   }
   const cudaStream_t side = cuda::SideStream::fork(stream);
   if (vec) dcb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, side>>>(gp, w);
   else dcb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, side>>>(gp, w);
   if (has_states) launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
-  if (vec) dx_kernel<T, true><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
-  else dx_kernel<T, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+  // With dbdc's wgmma form, u comes from it (kU, and kU2 for the second 64 columns of N).
+  bool wg_dbdc = false;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) wg_dbdc = vec && tiles_n > 0 && dbdc_wg_applies(gp, states, w.dstates);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (wg_dbdc) dx_kernel<T, true, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+  }
+  if (!wg_dbdc) {
+    if (vec) dx_kernel<T, true><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+    else dx_kernel<T, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+  }
   cuda::SideStream::join(stream);  // dbdc reads dcb
   if (tiles_n > 0) {
     const unsigned grid = (unsigned)(B * S * G * tiles_n * 2);
-    if (vec) dbdc_kernel<T, true><<<grid, kThreads, 0, stream>>>(gp, w, states);
+    if (wg_dbdc) {
+      cuda::allow_smem(dbdc_wg_kernel, kDbdcWgSmem, "ssd_backward_cuda (dB, dC)", sizeof(float) * 2 * kT);
+      dbdc_wg_kernel<<<grid, kThreads, kDbdcWgSmem, stream>>>(gp, w, (const __nv_bfloat16*)states);
+    } else if (vec) dbdc_kernel<T, true><<<grid, kThreads, 0, stream>>>(gp, w, states);
     else dbdc_kernel<T, false><<<grid, kThreads, 0, stream>>>(gp, w, states);
   }
-  ddt_kernel<T><<<thread_blocks, 128, 0, stream>>>(gp, w);
+  ddt_kernel<T><<<thread_blocks, 128, 0, stream>>>(gp, w, wg_dbdc && tiles_n == 2);
   da_kernel<<<(unsigned)(B * H), kDaThreads, 0, stream>>>(gp, w);
   cuda::check_launch("ssd_backward_cuda");
 }

@@ -31,6 +31,7 @@
 #include "ops/cuda/side_stream.cuh"
 #include "ops/ssd/cuda/chunk.cuh"
 #include "ops/ssd/cuda/chunk_scan_wgmma.cuh"
+#include "ops/ssd/cuda/local_state_wgmma.cuh"
 
 namespace hax::ops {
 namespace ssd_cuda {
@@ -206,9 +207,7 @@ void forward(const SsdParams& p, cudaStream_t stream) {
     else cb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, side>>>(p, w);
   }
   if (B * S * H * tiles_n * tiles_p > 0) {
-    const dim3 grid((unsigned)(B * S * H), (unsigned)tiles_p);
-    if (vec) local_state_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
-    else local_state_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(p, w, (const T*)p.x, states);
+    launch_local_state<T, false>(p, w, (const T*)p.x, states, vec, stream);
     launch_state_pass<T, false>(p, w, states, false, nullptr, nullptr, stream);
   }
   cuda::SideStream::join(stream);

@@ -3,8 +3,9 @@
 // (ops/cuda/wgmma.cuh, ops/cuda/tile_layout.cuh Swizzle128), and the products and epilogues of
 // one warpgroup. The forms keep a whole 64-slab of N per tile, so they take P and N multiples of
 // 64 with N <= 128 (kWgSlabs slabs); other sizes run the mma.sync kernels. Landed: the forward's
-// chunk_scan (chunk_scan_wgmma.cuh). Tried and not kept: the backward's dx on the same pieces
-// (experiments/ssd-dx-wgmma.patch: correct, slower).
+// chunk_scan (chunk_scan_wgmma.cuh), the local states of both directions (local_state_wgmma.cuh)
+// and the backward's dB/dC (dbdc_wgmma.cuh). Tried and not kept: the backward's dx on the same
+// pieces (experiments/ssd-dx-wgmma.patch: correct, slower).
 #pragma once
 #include <cuda_bf16.h>
 
