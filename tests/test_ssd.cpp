@@ -212,9 +212,10 @@ TEST(SsdCuda, MatchesCpuFloat32) {
 }
 
 TEST(SsdCuda, Bfloat16CloseToFloat64Reference) {
-  // Both forms of the kernels (wgmma where the sizes allow it: the forward's chunk_scan and the
-  // local states of both directions; and mma.sync) on the same draws: P 64 and 128 with N 64 or
-  // 128 take the wgmma forms on an sm_90a build.
+  // Both forms of the kernels (wgmma where the sizes allow it: the forward's chunk_scan, the
+  // local states of both directions and the backward's dB/dC with u, dx then without its Y
+  // product; and mma.sync) on the same draws: P 64 and 128 with N 64 or 128 take the wgmma forms
+  // on an sm_90a build.
   HAX_REQUIRE_CUDA();
   torch::manual_seed(31);
   int k = 0;
@@ -233,8 +234,8 @@ TEST(SsdCuda, Bfloat16CloseToFloat64Reference) {
 }
 
 TEST(SsdCuda, WgmmaFormsAgree) {
-  // The wgmma kernels (the forward's chunk_scan, the local states of both directions) against the
-  // mma.sync ones on the same bfloat16 inputs and cotangents, at every size the wgmma forms take
+  // The wgmma kernels (the forward's chunk_scan, the local states of both directions, dB/dC with u
+  // and dx without Y) against the mma.sync ones on the same bfloat16 inputs and cotangents, at every size the wgmma forms take
   // (P, N multiples of 64, N <= 128), with groups, packing, initial states, chunks of one and of
   // several 64-step pieces, and lengths that end inside a piece: y, the final state and the
   // gradients of x, dt, B, C and the initial state within a few bfloat16 roundings of each other

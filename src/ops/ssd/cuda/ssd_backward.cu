@@ -740,8 +740,8 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   if (has_states) launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
   // With dbdc's wgmma form, u comes from it (kU, and kU2 for the second 64 columns of N).
   bool wg_dbdc = false;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) wg_dbdc = vec && tiles_n > 0 && dbdc_wg_applies(gp, states, w.dstates);
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    wg_dbdc = vec && tiles_n > 0 && dbdc_wg_applies(gp, states, w.dstates);
     if (wg_dbdc) dx_kernel<T, true, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
   }
   if (!wg_dbdc) {
