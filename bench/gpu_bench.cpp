@@ -27,10 +27,10 @@ struct GpuTiming {
 // Median and minimum over `repeats` timed runs of `calls` back-to-back calls each (per call),
 // after `warmup` untimed calls; then the median of `repeats` single calls. A call of more than
 // 2 ms is timed alone (host overhead is then negligible, and dense attention at long L is slow).
-GpuTiming time_gpu(const std::function<void()>& fn, int warmup, int repeats, int calls) {
+GpuTiming time_gpu(const std::function<void()>& fn, int warmup, int repeats, int calls, double alone_ms) {
   for (int i = 0; i < warmup; ++i) fn();
   cuda_synchronize();
-  if (cuda_elapsed_ms(fn, 1) > 2.0) calls = 1;
+  if (cuda_elapsed_ms(fn, 1) > alone_ms) calls = 1;
   auto median_of = [&](int n, double* min_out) {
     std::vector<double> ms;
     for (int i = 0; i < repeats; ++i) ms.push_back(cuda_elapsed_ms(fn, n));
@@ -81,7 +81,7 @@ nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg) {
   nlohmann::json report;
   report["device"] = cuda_device_name();
   report["config"] = {{"keys", cfg.keys}, {"heads", H}, {"dim", D}, {"batch", B}, {"dtype", cfg.dtype},
-                      {"warmup", cfg.warmup}, {"repeats", cfg.repeats}, {"calls", cfg.calls},
+                      {"warmup", cfg.warmup}, {"repeats", cfg.repeats}, {"calls", cfg.calls}, {"alone_ms", cfg.alone_ms},
                       {"timer", "CUDA events, median over repeats of the mean of `calls` back-to-back calls"},
                       {"backward", "a fixed random cotangent of the output"}};
   fmt::print("hax bench attention: {}, batch {}, {} heads, head dim {}, k = {}, {}; median of {} runs of {} "
@@ -122,7 +122,7 @@ nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg) {
       GpuTiming tf = time_gpu([&] {
         torch::NoGradGuard ng;
         fwd(q0, k0, v0);
-      }, cfg.warmup, cfg.repeats, cfg.calls);
+      }, cfg.warmup, cfg.repeats, cfg.calls, cfg.alone_ms);
       at::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
       at::Tensor dout;  // the output's cotangent (random, fixed)
       {
@@ -134,7 +134,7 @@ nlohmann::json run_attention_bench_cuda(const GpuAttentionBenchConfig& cfg) {
         q.mutable_grad() = at::Tensor(), k.mutable_grad() = at::Tensor(), v.mutable_grad() = at::Tensor();
         if (branch) branch->zero_grad();
       };
-      GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats, cfg.calls);
+      GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats, cfg.calls, cfg.alone_ms);
       const int64_t peak = gpu_peak_during(fb);
       if (pattern == "sdpa") sdpa_ms = tb.median_ms;
       if (dense && tb.median_ms > cfg.dense_max_ms / 16) dense_slow_now = true;  // the next L is 4x: 16x the work
@@ -172,7 +172,7 @@ nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg) {
   report["device"] = cuda_device_name();
   report["config"] = {{"batch", B}, {"heads", H}, {"headdim", P}, {"d_state", N}, {"groups", G}, {"chunk", cfg.chunk},
                       {"dtype", cfg.dtype}, {"warmup", cfg.warmup}, {"repeats", cfg.repeats},
-                      {"calls", cfg.calls},
+                      {"calls", cfg.calls}, {"alone_ms", cfg.alone_ms},
                       {"timer", "CUDA events, median over repeats of the mean of `calls` back-to-back calls"},
                       {"backward", "a fixed random cotangent of y"}};
   fmt::print("hax bench ssm: {}, Mamba-2 SSD scan, batch {}, {} heads x {}, d_state {}, {} group(s), chunk {}, {}; "
@@ -190,7 +190,7 @@ nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg) {
     GpuTiming tf = time_gpu([&] {
       torch::NoGradGuard ng;
       ops::ssd(x, dtv, A, Bm, Cm, {}, {}, cfg.chunk);
-    }, cfg.warmup, cfg.repeats, cfg.calls);
+    }, cfg.warmup, cfg.repeats, cfg.calls, cfg.alone_ms);
     std::vector<at::Tensor> leaves;
     for (const at::Tensor& t : {x, dtv, A, Bm, Cm}) leaves.push_back(t.clone().requires_grad_());
     const at::Tensor dy = at::randn_like(x);  // y's cotangent (random, fixed); y has x's shape
@@ -199,7 +199,7 @@ nlohmann::json run_ssm_bench_cuda(const GpuSsmBenchConfig& cfg) {
       y.backward(dy);
       for (auto& t : leaves) t.mutable_grad() = at::Tensor();
     };
-    GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats, cfg.calls);
+    GpuTiming tb = time_gpu(fb, cfg.warmup, cfg.repeats, cfg.calls, cfg.alone_ms);
     const int64_t peak = gpu_peak_during(fb);
     fmt::print("{:<10} {:>7} {:>10.3f} {:>12.3f} {:>12.3f} {:>10.1f} {:>12.0f}\n", "ssd", L, tf.median_ms,
                tb.median_ms, tb.call_ms, peak / 1e6, (double)peak / L);

@@ -66,6 +66,7 @@ TEST(Cli, BadInputExitsWithStatus2AndOneClearLine) {
   expect_cli_error({"eval", "--checkpoint", dir + "/corrupt.safetensors"}, "is corrupt");
   expect_cli_error({"data", "--task", "nope"}, "--task 'nope' is not a task");
   expect_cli_error({"data", "--nc-min", "0"}, "--nc-min");
+  expect_cli_error({"bench", "ssm", "--alone-ms", "-1"}, "--alone-ms: Value -1 not in range");
   expect_cli_error({"train", "--resume", "--run-dir", dir + "/none"}, "no config.toml");
   hax::testing::remove_tree(dir);
 }

@@ -46,6 +46,9 @@ Command add_bench_command(CLI::App& app) {
   ssm->add_option("--gpu-heads", st->gpu.heads, "GPU runs: heads of the SSD scan");
   ssm->add_option("--calls", st->gpu.calls, "GPU runs: back-to-back calls per timed run (1..1000)")
       ->check(CLI::Range(1, 1000));
+  ssm->add_option("--alone-ms", st->gpu.alone_ms,
+                  "GPU runs: a call that takes longer than this many ms is timed alone (one call per timed run)")
+      ->check(CLI::Range(0.0, 1e6));
   add_threads_option(ssm, &st->threads);
   auto* attn = sub->add_subcommand("attention",
                                    "every sparse pattern (pattern building included) beside full causal attention: "
@@ -71,6 +74,9 @@ Command add_bench_command(CLI::App& app) {
   attn->add_option("--dtype", at_st->gpu.dtype, "GPU runs: bf16 or fp32");
   attn->add_option("--calls", at_st->gpu.calls, "GPU runs: back-to-back calls per timed run (1..1000)")
       ->check(CLI::Range(1, 1000));
+  attn->add_option("--alone-ms", at_st->gpu.alone_ms,
+                   "GPU runs: a call that takes longer than this many ms is timed alone (one call per timed run)")
+      ->check(CLI::Range(0.0, 1e6));
   add_threads_option(attn, &at_st->threads);
   Command c;
   c.app = sub;

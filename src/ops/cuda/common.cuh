@@ -91,16 +91,27 @@ inline void check_launch(const char* what) {
 
 // Raises the dynamic shared memory limit of `kernel` to `bytes`, or throws naming `what`. Needed
 // when the dynamic bytes plus the kernel's static shared memory (static_bytes, or a bound on it)
-// pass 48 KiB: the default limit of the dynamic part is 48 KiB less the static part.
+// pass 48 KiB: the default limit of the dynamic part is 48 KiB less the static part. The limit
+// set so far is kept per (kernel, device) and only ever raised, so that a launch that calls this
+// every time pays for cudaFuncSetAttribute once: called before every launch, it made the SSD's
+// back-to-back fwd+bwd at L = 4K 0.36 ms against 0.26 (H200, 2026-11-29; BENCHMARKS.md, pass 30).
 template <class K>
 inline void allow_smem(K kernel, size_t bytes, const char* what, size_t static_bytes = 0) {
   if (bytes + static_bytes <= 48 * 1024) return;  // the default limit holds static and dynamic together
+  int dev = 0;
+  cudaGetDevice(&dev);
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> raised;  // (kernel, device) -> limit set
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = raised[{(const void*)kernel, dev}];
+  if (bytes <= have) return;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // clear it, so that later launches and copies do not report it
     throw std::runtime_error(std::string(what) + ": cannot get " + std::to_string(bytes) +
                              " bytes of shared memory: " + cudaGetErrorString(e));
   }
+  have = bytes;
 }
 
 // Launch shapes computed once per (device, key) by make(device) and kept (occupancy and attribute

@@ -61,6 +61,7 @@
 #include "ops/ssd/cuda/dbdc_wgmma.cuh"
 #include "ops/ssd/cuda/grad_rows.cuh"
 #include "ops/ssd/cuda/local_state_wgmma.cuh"
+#include "ops/ssd/cuda/state_pass.cuh"
 
 namespace hax::ops {
 namespace ssd_cuda {

@@ -32,6 +32,7 @@
 #include "ops/ssd/cuda/chunk.cuh"
 #include "ops/ssd/cuda/chunk_scan_wgmma.cuh"
 #include "ops/ssd/cuda/local_state_wgmma.cuh"
+#include "ops/ssd/cuda/state_pass.cuh"
 
 namespace hax::ops {
 namespace ssd_cuda {
