@@ -93,8 +93,9 @@ inline void check_launch(const char* what) {
 // when the dynamic bytes plus the kernel's static shared memory (static_bytes, or a bound on it)
 // pass 48 KiB: the default limit of the dynamic part is 48 KiB less the static part. The limit
 // set so far is kept per (kernel, device) and only ever raised, so that a launch that calls this
-// every time pays for cudaFuncSetAttribute once: called before every launch, it made the SSD's
-// back-to-back fwd+bwd at L = 4K 0.36 ms against 0.26 (H200, 2026-11-29; BENCHMARKS.md, pass 30).
+// every time pays for cudaFuncSetAttribute once. (The SSD's host-bound fwd+bwd at L = 4K read
+// 0.36 ms with the attribute set before every dB/dC launch and 0.26-0.30 with it set once, in
+// different sessions on an H200: BENCHMARKS.md, thirtieth pass.)
 template <class K>
 inline void allow_smem(K kernel, size_t bytes, const char* what, size_t static_bytes = 0) {
   if (bytes + static_bytes <= 48 * 1024) return;  // the default limit holds static and dynamic together
