@@ -116,9 +116,9 @@ inline void allow_smem(K kernel, size_t bytes, const char* what, size_t static_b
 }
 
 // Launch shapes computed once per (device, key) by make(device) and kept (occupancy and attribute
-// queries cost host time on every call otherwise); thread-safe. allow() raises a kernel's dynamic
-// shared memory limit on a device only ever upwards: the attribute is the kernel's, not a shape's,
-// and lowered for a smaller shape it failed the next launch of a larger, cached one.
+// queries cost host time on every call otherwise); thread-safe. make raises the kernel's dynamic
+// shared memory limit with allow_smem, which only ever raises it: the attribute is the kernel's,
+// not a shape's, and lowered for a smaller shape it failed the next launch of a larger, cached one.
 template <class Shape>
 class LaunchShapeCache {
  public:
@@ -133,18 +133,10 @@ class LaunchShapeCache {
     shapes_.emplace(k, s);
     return s;
   }
-  // (Called from make, under the lock.)
-  template <class K>
-  void allow(K kernel, int dev, size_t bytes, const char* what) {
-    if (bytes <= allowed_[dev]) return;
-    allow_smem(kernel, bytes, what);
-    allowed_[dev] = bytes;
-  }
 
  private:
   std::mutex mu_;
   std::map<std::pair<int, int64_t>, Shape> shapes_;
-  std::map<int, size_t> allowed_;  // per device: the dynamic shared memory limit set so far
 };
 
 }  // namespace hax::ops::cuda

@@ -251,12 +251,12 @@ struct LaunchShape {
 template <int HID>
 LaunchShape launch_shape(int64_t half) {
   static cuda::LaunchShapeCache<LaunchShape> shapes;
-  return shapes.get(half, [&](int dev) {
+  return shapes.get(half, [&](int /*dev*/) {
     LaunchShape sh;
     sh.warps = kMaxWarps;  // the most warps that fit (with two input tiles each where they fit, else one)
     while (sh.warps > 1 && smem_layout(half, HID, sh.warps).bytes > kMaxSmem) --sh.warps;
     const size_t bytes = smem_layout(half, HID, sh.warps).bytes;
-    shapes.allow(scorer_mlp_kernel<HID>, dev, bytes, "scorer_mlp");
+    cuda::allow_smem(scorer_mlp_kernel<HID>, bytes, "scorer_mlp");
     int per_sm = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_kernel<HID>, 32 * sh.warps, bytes);
     sh.fit = (int64_t)std::max(1, per_sm) * cuda::sm_count();

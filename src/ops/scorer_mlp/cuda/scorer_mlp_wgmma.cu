@@ -232,7 +232,7 @@ struct WgShape {
 template <int HID>
 WgShape wg_shape(int64_t half) {
   static cuda::LaunchShapeCache<WgShape> shapes;
-  return shapes.get(half, [&](int dev) {
+  return shapes.get(half, [&](int /*dev*/) {
     WgShape sh;
     cudaFuncAttributes attr{};
     if (cudaFuncGetAttributes(&attr, wgmma_probe_kernel) != cudaSuccess) (void)cudaGetLastError();
@@ -241,7 +241,7 @@ WgShape wg_shape(int64_t half) {
     sh.groups = kMaxGroups;
     while (sh.groups > 1 && wg_layout(half, HID, sh.groups).bytes > kMaxSmem) --sh.groups;
     const size_t bytes = wg_layout(half, HID, sh.groups).bytes;
-    shapes.allow(scorer_mlp_wgmma_kernel<HID>, dev, bytes, "scorer_mlp (wgmma)");
+    cuda::allow_smem(scorer_mlp_wgmma_kernel<HID>, bytes, "scorer_mlp (wgmma)");
     int per_sm = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scorer_mlp_wgmma_kernel<HID>, kGroupThreads * sh.groups, bytes);
     sh.fit = (int64_t)std::max(1, per_sm) * cuda::sm_count();
