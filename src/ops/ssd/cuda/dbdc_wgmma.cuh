@@ -79,28 +79,9 @@ __device__ __forceinline__ void dbdc_wg(const SsdGradParams& gp, const SsdScratc
   };
 #pragma unroll
   for (int t = 0; t < kDbdcStages - 1; ++t) issue(t);
-  // A head's row factors: thread i < 64 loads step i's inputs (a head ahead) and writes coef.
-  struct CoefIn {
-    float cs = 0.f, cs_last = 0.f, dt = 0.f;
-    int32_t seq = 0;
-  };
-  auto coef_load = [&](int64_t h) {
-    CoefIn in;
-    const int i = threadIdx.x;
-    if (i < u.len) {
-      const float* cs = w.cs + ((b * H + h) * S + s) * kT;
-      in.cs = cs[i], in.cs_last = cs[u.len - 1];
-      in.dt = cuda::to_f32(((const bf16*)p.dt)[(b * L + u.t0 + i) * H + h]);
-      in.seq = p.seq_idx ? p.seq_idx[b * L + u.t0 + i] : 0;
-    }
-    return in;
-  };
-  auto coef_value = [&](const CoefIn& in) {
-    if ((int)threadIdx.x >= u.len) return 0.f;
-    if (is_dc) return in.seq == u.s_prev ? expf(in.cs) : 0.f;
-    return in.seq == u.s_last ? expf(in.cs_last - in.cs) * in.dt : 0.f;
-  };
-  CoefIn next;
+  // A head's row factors (grad_rows.cuh): thread i < 64 loads step i's inputs a head ahead.
+  auto coef_load = [&](int64_t h) { return RowFactorIn::load<bf16>(p, w, b, h, s, S, u); };
+  RowFactorIn next;
   if (threadIdx.x < kT) next = coef_load(g * hpg);
   // 2. The stages.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
@@ -114,7 +95,7 @@ __device__ __forceinline__ void dbdc_wg(const SsdGradParams& gp, const SsdScratc
   for (int t = 0; t < stages; ++t) {
     const int head = t / slabs;
     if (t % slabs == 0 && threadIdx.x < kT) {
-      coef[head & 1][threadIdx.x] = coef_value(next);
+      coef[head & 1][threadIdx.x] = next.value(u, is_dc);
       if (head + 1 < hpg) next = coef_load(g * hpg + head + 1);
     }
     cuda::cp_async_wait<kDbdcStages - 2>();  // stage t's group (U's with the first)

@@ -505,36 +505,14 @@ __device__ __forceinline__ void dbdc_mma(const SsdGradParams& gp, const SsdScrat
   // head's stage begins (the pipeline's barrier then publishes it). Loading the step values into
   // shared memory and waiting at a barrier for them before computing coef exposed their latency
   // once per head (H100, ncu, L = 64K: dbdc 462 -> 378 us without that wait, 2026-11-24).
-  struct CoefIn {
-    float cs = 0.f, cs_last = 0.f, dt = 0.f;
-    int32_t seq = 0;
-  };
-  auto coef_load = [&](int64_t h) {
-    CoefIn in;
-    const int i = threadIdx.x;
-    if (i < u.len) {
-      const float* cs = w.cs + ((b * H + h) * S + s) * kT;
-      in.cs = cs[i], in.cs_last = cs[u.len - 1];
-      in.dt = to_f32(((const T*)p.dt)[(b * p.seqlen + u.t0 + i) * H + h]);
-      in.seq = p.seq_idx ? p.seq_idx[b * p.seqlen + u.t0 + i] : 0;
-    }
-    return in;
-  };
-  auto coef_store = [&](const CoefIn& in) {
-    const int i = threadIdx.x;
-    float c = 0.f;
-    if (i < u.len) {
-      if (is_dc) c = in.seq == u.s_prev ? expf(in.cs) : 0.f;
-      else c = in.seq == u.s_last ? expf(in.cs_last - in.cs) * in.dt : 0.f;
-    }
-    coef[i] = c;
-  };
+  auto coef_load = [&](int64_t h) { return RowFactorIn::load<T>(p, w, b, h, s, S, u); };  // (grad_rows.cuh)
+  auto coef_store = [&](const RowFactorIn& in) { coef[threadIdx.x] = in.value(u, is_dc); };
   Acc acc;
   acc.zero();
   if constexpr (kAsync) {
     const HeadSlabs<S_t> hs{sA, sA2, sB, sB2, (int)((P + kSlab - 1) / kSlab), P};
     const int nrows = (int)(N - n0 < kT ? N - n0 : kT);
-    CoefIn next;  // (threads < kT) the inputs of the next head's coef
+    RowFactorIn next;  // (threads < kT) the inputs of the next head's coef
     if (threadIdx.x < kT) next = coef_load(g * hpg);
     auto issue = [&](int t) {
       const int64_t h = g * hpg + hs.head(t), k0 = hs.k0(t);
