@@ -13,6 +13,19 @@ namespace hax::ops {
 // depend on the chunking; only the saved chunk_states follow the requested chunk.
 constexpr int64_t kSsdSubChunk = 64;
 
+// a / b for a >= 0, b > 0. On the GPU a power-of-two b is a shift: a 64-bit division costs about 35
+// instructions there (its 32-bit path included), and the kernels' block coordinates and sub-chunk
+// geometry took a dozen of them per thread block (about a fifth of dx_kernel's instructions at
+// L = 64K, ncu, H200, 2026-11-29). The sizes that divide are powers of two by default (chunk 64,
+// heads and groups), so the other path is rare.
+HAX_HOST_DEVICE inline int64_t ssd_div(int64_t a, int64_t b) {
+#ifdef __CUDA_ARCH__
+  if ((b & (b - 1)) == 0) return a >> (__ffsll(b) - 1);
+#endif
+  return a / b;
+}
+HAX_HOST_DEVICE inline int64_t ssd_mod(int64_t a, int64_t b) { return a - ssd_div(a, b) * b; }
+
 // Raw-pointer parameters of the SSD kernels (all tensors contiguous, one dtype).
 struct SsdParams {
   int64_t batch = 0, seqlen = 0, nheads = 0, headdim = 0, ngroups = 0, dstate = 0;
@@ -36,22 +49,28 @@ struct SsdParams {
                                 // on warpgroup products where their sizes allow (cuda/*_wgmma.cuh);
                                 // false: mma.sync
 
-  HAX_HOST_DEVICE int64_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
+  HAX_HOST_DEVICE int64_t nchunks() const { return ssd_div(seqlen + chunk - 1, chunk); }
   // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many
   // there are in a row (only non-empty ones), and where sub-chunk s starts and how long it is.
+  // A chunk of at most 64 steps is one sub-chunk (no division past nchunks).
   HAX_HOST_DEVICE int64_t sub_len() const { return chunk < kSsdSubChunk ? chunk : kSsdSubChunk; }
-  HAX_HOST_DEVICE int64_t subs_per_chunk() const { return (chunk + sub_len() - 1) / sub_len(); }
+  HAX_HOST_DEVICE int64_t subs_per_chunk() const {
+    return chunk <= kSsdSubChunk ? 1 : ssd_div(chunk + kSsdSubChunk - 1, kSsdSubChunk);
+  }
   HAX_HOST_DEVICE int64_t nsubs() const {
     const int64_t nc = nchunks();
-    if (nc == 0) return 0;
+    if (nc == 0 || chunk <= kSsdSubChunk) return nc;
     const int64_t tail = seqlen - (nc - 1) * chunk;  // steps of the last chunk, 1..chunk
-    return (nc - 1) * subs_per_chunk() + (tail + sub_len() - 1) / sub_len();
+    return (nc - 1) * subs_per_chunk() + ssd_div(tail + kSsdSubChunk - 1, kSsdSubChunk);
   }
   HAX_HOST_DEVICE int64_t sub_start(int64_t s) const {
-    return (s / subs_per_chunk()) * chunk + (s % subs_per_chunk()) * sub_len();
+    if (chunk <= kSsdSubChunk) return s * chunk;
+    const int64_t spc = subs_per_chunk(), c = ssd_div(s, spc);
+    return c * chunk + (s - c * spc) * kSsdSubChunk;
   }
   HAX_HOST_DEVICE int64_t sub_size(int64_t s) const {
-    const int64_t in_chunk = chunk - (s % subs_per_chunk()) * sub_len(), left = seqlen - sub_start(s);
+    const int64_t t0 = sub_start(s), left = seqlen - t0;
+    const int64_t in_chunk = chunk <= kSsdSubChunk ? chunk : chunk - ssd_mod(s, subs_per_chunk()) * kSsdSubChunk;
     const int64_t n = in_chunk < left ? in_chunk : left;
     return n < sub_len() ? n : sub_len();
   }

@@ -34,8 +34,9 @@ struct HeadSub {
 };
 __device__ __forceinline__ HeadSub head_sub_of_block(int64_t H, int64_t S, int64_t G) {
   HeadSub r;
-  r.h = blockIdx.x % H, r.s = (blockIdx.x / H) % S, r.b = blockIdx.x / (H * S);
-  r.bh = r.b * H + r.h, r.g = r.h / (H / G);
+  const int64_t x = blockIdx.x, q = ssd_div(x, H);  // (ssd_div: shifts for powers of two)
+  r.h = x - q * H, r.s = ssd_mod(q, S), r.b = ssd_div(q, S);
+  r.bh = r.b * H + r.h, r.g = ssd_div(r.h, ssd_div(H, G));
   return r;
 }
 
@@ -88,7 +89,7 @@ __global__ void prep_kernel(SsdParams p, SsdScratch w) {
   const int64_t H = p.nheads, S = p.nsubs();
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= p.batch * S * H) return;
-  const int64_t h = idx % H, s = (idx / H) % S, b = idx / (H * S);
+  const int64_t q = ssd_div(idx, H), h = idx - q * H, b = ssd_div(q, S), s = q - b * S;
   const Sub u = sub_of(p, b, s);
   const float A = to_f32(((const T*)p.A)[h]);
   const T* dt = (const T*)p.dt + (b * p.seqlen + u.t0) * H + h;
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cb_kernel(SsdParams p, S
   __shared__ __align__(16) S_t sA[kSlabSize<T>];
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
   const int64_t S = p.nsubs(), G = p.ngroups, N = p.dstate;
-  const int64_t s = blockIdx.x % S, bg = blockIdx.x / S, b = bg / G, g = bg % G;
+  const int64_t bg = ssd_div(blockIdx.x, S), s = blockIdx.x - bg * S, b = ssd_div(bg, G), g = bg - b * G;
   const Sub u = sub_of(p, b, s);
   const int64_t ld = G * N;  // between steps of one group
   const T* C = (const T*)p.Cm + ((b * p.seqlen + u.t0) * G + g) * N;

@@ -56,9 +56,10 @@ __device__ __forceinline__ void dbdc_wg(const SsdGradParams& gp, const SsdScratc
   auto tileB = [&](int t) { return ring + (2 * (t % kDbdcStages) + 1) * kWgTile; };  // S[n0 + n][k0 + k], rows n
   __shared__ float coef[2][kT];  // the row factors of heads of even and odd index in the group
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim, L = p.seqlen;
-  const int64_t hpg = H / G, tiles_n = N / kT, chunk = blockIdx.x / (2 * tiles_n);  // chunk: (b G + g) S + s
-  const int64_t s = chunk % S, bg = chunk / S, b = bg / G, g = bg % G;
-  const int64_t n0 = (int64_t)(blockIdx.x / 2 % tiles_n) * kT;
+  const int64_t hpg = ssd_div(H, G), tiles_n = N / kT, pair = blockIdx.x / 2;
+  const int64_t chunk = ssd_div(pair, tiles_n);  // (b G + g) S + s
+  const int64_t bg = ssd_div(chunk, S), s = chunk - bg * S, b = ssd_div(bg, G), g = bg - b * G;
+  const int64_t n0 = (pair - chunk * tiles_n) * kT;
   const bool is_dc = blockIdx.x % 2 == 1;
   const Sub u = sub_of(p, b, s);
   const int slabs = (int)(P / kT), stages = (int)hpg * slabs;

@@ -81,6 +81,59 @@ __device__ __forceinline__ void for_each_entry(const __nv_bfloat16* tile, F&& f)
   });
 }
 
+// M_ij = [j <= i < len][seq_i = seq_j] cb_ij exp(cs_i - cs_j) of one (row, head, sub-chunk), staged
+// [i][j] (rows i, 16-byte octets along j) as bfloat16 halves hi and lo (store8's split). Only the
+// 288 octets on or below the diagonal (octet column j / 8 <= i / 8) are computed, numbered by row
+// block io (rows 8 io .. 8 io + 7, from octet 4 io (io + 1)) and in it column-major, so that the
+// 8 lanes of a column write 8 rows 144 bytes apart (no bank conflicts); the 224 above the diagonal
+// are zeros. The exponential is __expf (ex2.approx: a few ulp against expf's full range reduction;
+// M enters the product as hi + lo, about 16 bits), cs comes in 16-byte shared loads, and one_seq
+// (no reset among the sub-chunk's steps) skips the sequence test. Staged with every octet through
+// stage_op and expf, this took about 1000 of dx_kernel's 3600 instructions a warp (ncu, H200, L =
+// 64K, 2026-11-29). sv 16-byte aligned.
+__device__ __forceinline__ void stage_decayed_mask(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* cb,
+                                                   const StepVals& sv, int len, bool one_seq) {
+  constexpr int kLower = 4 * 8 * 9;  // octets on or below the diagonal: Σ_io 8 (io + 1)
+#pragma unroll
+  for (int e = 0; e < (kLower + kThreads - 1) / kThreads; ++e) {
+    const int o = threadIdx.x + e * kThreads;
+    if (o >= kLower) break;
+    int io = 0;
+#pragma unroll
+    for (int k = 1; k < 8; ++k) io += o >= 4 * k * (k + 1);
+    const int local = o - 4 * io * (io + 1);
+    const int i = 8 * io + (local & 7), j = 8 * (local >> 3);
+    float v[8];
+    if (i < len) {
+      load8(cb + i * kT + j, true, v);
+      const float4 c0 = *reinterpret_cast<const float4*>(sv.cs + j), c1 = *reinterpret_cast<const float4*>(sv.cs + j + 4);
+      const float cj[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      const float ci = sv.cs[i];
+      const int32_t si = sv.seq[i];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {  // (bitwise: no branch around each entry)
+        const bool in = (j + m <= i) & (one_seq | (si == sv.seq[j + m]));
+        const float g = __expf(ci - cj[m]);
+        v[m] = in ? v[m] * g : 0.f;
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) v[m] = 0.f;
+    }
+    store8<true, true>(hi, lo, i, j, v);
+  }
+  constexpr int ld = Operand<__nv_bfloat16>::kLd;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {  // the zeros above the diagonal
+    int i, j;
+    oct_pos<true>(e, i, j);
+    if (j > i) {  // (then the octet's first column is past the row's 8-block)
+      *reinterpret_cast<uint4*>(hi + i * ld + j) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(lo + i * ld + j) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
 // dx, v, u, x.dXd and g <dS, S> of one (row, head, sub-chunk), 64 columns of P at a time:
 //   X(j, p) = w_j Σ_n B_j[n] dS[n][p]        (then v_j = Σ_p dt_j x_j[p] X(j, p))
 //   Y(i, p) = re_i Σ_n C_i[n] S[n][p]        (then u_i = Σ_p dy_i[p] Y(i, p))
@@ -100,13 +153,18 @@ __device__ __forceinline__ void for_each_entry(const __nv_bfloat16* tile, F&& f)
 // Grid: S * B * H blocks; block h + H (s + S b) (chunk.cuh: heads fastest).
 // kY false (bfloat16 with kVec, where dbdc_wg gives u: dbdc_wgmma.cuh): no Y product and no u;
 // S is still read, beside dS's tile in the X product, for <dS, S>. (Builds without wgmma, whose
-// dbdc_wg_kernel runs the mma.sync form, keep Y and write u whole, kU2 zero.)
+// dbdc_wg_kernel runs the mma.sync form, keep Y and write u whole, kU2 zero.) There the X
+// product's B and dS come by cp.async through a ring of three tiles (kRingX, below: B was staged
+// through registers, its L2 latency exposed once a slab), and M by stage_decayed_mask. H200, ncu,
+// L = 64K, 2026-11-29: 675 -> 665 us with the ring, 574 us with the mask too (its first form, with
+// && and || in the mask; the landed bitwise form was timed only inside `hax bench ssm`).
 template <class T, bool kVec, bool kY = true>
 __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
   constexpr bool kTiles = kVec && std::is_same_v<T, __nv_bfloat16>;
   constexpr bool kWithY = kY || !kTiles || !cuda::kHaveWgmma;
+  constexpr bool kRingX = kTiles && !kWithY;  // the X product's slabs through a ring (below)
   constexpr int ld = Operand<T>::kLd;  // of the tiles too: the epilogues' accesses are conflict-free
   // sA: C or B [i][n], then M (kTiles: [i][j], else [j][i]) with its lo half in sL; sB: S or dS
   // (kTiles: [n][q] as in global memory, else [q][n]).
@@ -115,8 +173,9 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   __shared__ __align__(16) S_t sB[kSlabSize<T>];
   __shared__ __align__(16) S_t tDy[kTiles ? kSlabSize<T> : 1];  // kTiles: dy_i[p0 + q] at [i ld + q]
   __shared__ __align__(16) S_t tX[kTiles ? kSlabSize<T> : 1];   // kTiles: x_i[p0 + q] likewise
-  __shared__ StepVals sv;
-  __shared__ float wj[kT], re[kT], scratch[2 * kT], red[kT];
+  __shared__ __align__(16) StepVals sv;  // (16-byte loads of cs: stage_decayed_mask)
+  __shared__ float wj[kT], re[kT];
+  __shared__ float tail[6 * kT + 4];  // the row partials of v, u, x.dXd and <dS, S>'s (put_rows, put_block)
   const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim;
   const HeadSub place = head_sub_of_block(H, S, G);
   const int64_t b = place.b, h = place.h, s = place.s, bh = place.bh, g = place.g;
@@ -133,7 +192,42 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
       cuda::cp_async_commit();
     }
   };
+  // kRingX: the X product's operands, slab t (64 values of n) of B ([j][k], rows >= len zero) and
+  // of dS ([k][q], as in global memory), go by cp.async into a ring of three tiles (sA, sL, sB):
+  // dS of slab t into ring[2t % 3], B into ring[(2t + 1) % 3]. dS of slab t + 1 is in flight while
+  // slab t multiplies; B of slab t + 1 (read from L2) goes into slab t's dS tile once it is free.
+  auto ring = [&](int64_t i) -> S_t* { return i == 0 ? sA : i == 1 ? sL : sB; };
+  const int64_t nslabs = (N + kSlab - 1) / kSlab;
+  const int64_t ldn0 = G * N;
+  const T* const Bm0 = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
+  const T* const ds0 = (const T*)w.dstates + (bh * S + s) * N * P;
+  auto slab_kn = [&](int64_t t) { return (int)(N - t * kSlab < kSlab ? N - t * kSlab : kSlab); };
+  auto issue_ds = [&](int64_t t, int64_t p0) {
+    if constexpr (kRingX) {
+      const int kp = (int)(P - p0 < kT ? P - p0 : kT);
+      cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(ring((2 * t) % 3), ds0 + t * kSlab * P + p0, P, 0, slab_kn(t), kp);
+    }
+  };
+  auto issue_b = [&](int64_t t) {
+    if constexpr (kRingX)
+      cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(ring((2 * t + 1) % 3), Bm0 + t * kSlab, ldn0, 0, u.len, slab_kn(t));
+  };
+  // After the tiles of columns p0: slab 0 (dS, B) as one group, then dS of slab 1 as another.
+  auto issue_first_slabs = [&](int64_t p0) {
+    if constexpr (kRingX) {
+      if (nslabs > 0) {
+        issue_ds(0, p0);
+        issue_b(0);
+        cuda::cp_async_commit();
+      }
+      if (nslabs > 1) {
+        issue_ds(1, p0);
+        cuda::cp_async_commit();
+      }
+    }
+  };
   copy_tiles(0);
+  issue_first_slabs(0);
   load_steps<T>(p, w, b, h, s, u, sv);
   __syncthreads();
   if (threadIdx.x < kT) {
@@ -142,7 +236,8 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
     wj[i] = in && sv.seq[i] == u.s_last ? expf(sv.cs[u.len - 1] - sv.cs[i]) : 0.f;
     re[i] = in && sv.seq[i] == u.s_prev ? expf(sv.cs[i]) : 0.f;
   }
-  __syncthreads();
+  // one_seq: no reset among the sub-chunk's steps (seq_idx is non-decreasing).
+  const bool one_seq = __syncthreads_and((int)threadIdx.x >= u.len || sv.seq[threadIdx.x] == sv.seq[0]);
   const int64_t ldx = H * P, ldn = G * N;  // between steps
   const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P;
   const T* dy = (const T*)gp.dy + ((b * p.seqlen + u.t0) * H + h) * P;
@@ -235,17 +330,18 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
         });
     }
     ax.zero();
-#pragma unroll 1
-    for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
-      const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
-      if constexpr (kTiles) {  // sB (k, q) = dS[n0 + k][p0 + q] as stored, by cp.async
-        const int kp = (int)(P - p0 < kT ? P - p0 : kT);
-        cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(sB, ds + n0 * P + p0, P, 0, kn, kp);
-        cuda::cp_async_commit();
+    if constexpr (kRingX) {
+      if (nslabs == 0) {  // the tiles' group is still to be waited for and published
+        cuda::cp_async_wait<0>();
+        __syncthreads();
       }
-      // Without Y: S's octets at the places of the thread's octets of the dS tile, for <dS, S>.
-      uint4 sr[4];
-      if constexpr (!kWithY) {
+#pragma unroll 1
+      for (int64_t t = 0; t < nslabs; ++t) {
+        const int64_t n0 = t * kSlab;
+        const int kn = slab_kn(t), kk = round16(kn);
+        const S_t* const tds = ring((2 * t) % 3);
+        const S_t* const tb = ring((2 * t + 1) % 3);
+        uint4 sr[4];  // S's octets at the places of the thread's octets of the dS tile, for <dS, S>
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           int k, q;
@@ -253,6 +349,40 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
           sr[e] = make_uint4(0u, 0u, 0u, 0u);
           if (k < kn && p0 + q < P) sr[e] = __ldg(reinterpret_cast<const uint4*>(st + (n0 + k) * P + p0 + q));
         }
+        if (t + 1 < nslabs) cuda::cp_async_wait<1>();  // dS of slab t + 1 may stay in flight
+        else cuda::cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int k, q;
+          oct_pos<true>(e, k, q);
+          const uint4 dr = *reinterpret_cast<const uint4*>(tds + k * ld + q);  // zeros past kn, P
+          const uint32_t a[4] = {sr[e].x, sr[e].y, sr[e].z, sr[e].w}, d[4] = {dr.x, dr.y, dr.z, dr.w};
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            dot += __uint_as_float(a[m] << 16) * __uint_as_float(d[m] << 16);
+            dot += __uint_as_float(a[m] & 0xffff0000u) * __uint_as_float(d[m] & 0xffff0000u);
+          }
+        }
+        mma_slab_kn(ax, tb, tds, kk);  // B [j][k], dS [k][q]
+        __syncthreads();
+        if (t + 1 < nslabs) {  // into slab t's dS tile
+          issue_b(t + 1);
+          cuda::cp_async_commit();
+        }
+        if (t + 2 < nslabs) {  // into slab t's B tile
+          issue_ds(t + 2, p0);
+          cuda::cp_async_commit();
+        }
+      }
+    }
+#pragma unroll 1
+    for (int64_t n0 = 0; n0 < (kRingX ? 0 : N); n0 += kSlab) {  // (with Y; S's <dS, S> came in Y)
+      const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
+      if constexpr (kTiles) {  // sB (k, q) = dS[n0 + k][p0 + q] as stored, by cp.async
+        const int kp = (int)(P - p0 < kT ? P - p0 : kT);
+        cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(sB, ds + n0 * P + p0, P, 0, kn, kp);
+        cuda::cp_async_commit();
       }
       stage_op<kVec, true, false>(
           sA, sA, kk, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ldn + n0 + k]) : 0.f; },
@@ -265,20 +395,6 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
             [&](int q, int k, float(&v)[8]) { load8(ds + (n0 + k) * P + p0 + q, k < kn && p0 + q < P, v); });
       }
       __syncthreads();
-      if constexpr (!kWithY) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int k, q;
-          oct_pos<true>(e, k, q);
-          const uint4 dr = *reinterpret_cast<const uint4*>(sB + k * ld + q);  // zeros past kn, P
-          const uint32_t a[4] = {sr[e].x, sr[e].y, sr[e].z, sr[e].w}, d[4] = {dr.x, dr.y, dr.z, dr.w};
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            dot += __uint_as_float(a[m] << 16) * __uint_as_float(d[m] << 16);
-            dot += __uint_as_float(a[m] & 0xffff0000u) * __uint_as_float(d[m] & 0xffff0000u);
-          }
-        }
-      }
       if constexpr (kTiles) mma_slab_kn(ax, sA, sB, kk);  // sB as [k][q]
       else mma_slab(ax, sA, sB, kk);
       __syncthreads();
@@ -307,8 +423,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
       for (int e = 0; e < 8; ++e) v[e] = col && j + e <= i && si == sv.seq[j + e] ? v[e] * expf(ci - sv.cs[j + e]) : 0.f;
     };
     if constexpr (kTiles)  // stored [i][j] ([k][m]): rows i, one 16-byte store per octet and half
-      stage_op<true, true, true>(
-          sA, sL, ks, [&](int i, int j) { return mf(j, i); }, [&](int i, int j, float(&v)[8]) { mg(j, i, v); });
+      stage_decayed_mask(sA, sL, cb, sv, u.len, one_seq);
     else  // stored [j][i]
       stage_op<kVec, false, true>(sA, sL, ks, mf, mg);
     if constexpr (!kTiles)
@@ -371,20 +486,26 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
     if (kTiles && p0 + kT < P) {  // the next columns' tiles, once every thread is done with these
       __syncthreads();
       copy_tiles(p0 + kT);
+      issue_first_slabs(p0 + kT);
     }
   }
   const int64_t bhs = bh * S + s;
-  row_sums(vpart, scratch, red);
-  if (threadIdx.x < kT) row_terms(p, w, kV, bhs)[threadIdx.x] = red[threadIdx.x];
-  if constexpr (kWithY) {
-    row_sums(upart, scratch, red);
-    if (threadIdx.x < kT) row_terms(p, w, kU, bhs)[threadIdx.x] = red[threadIdx.x];
-    if (!kY && threadIdx.x < kT) row_terms(p, w, kU2, bhs)[threadIdx.x] = 0.f;
+  // Every sum's partials first, then one barrier (put_rows, put_block: tile.cuh).
+  put_rows(vpart, tail);
+  if constexpr (kWithY) put_rows(upart, tail + 2 * kT);
+  put_rows(xpart, tail + 4 * kT);
+  put_block(dot, tail + 6 * kT);
+  __syncthreads();
+  if (threadIdx.x < kT) {
+    const int i = threadIdx.x;
+    row_terms(p, w, kV, bhs)[i] = total(tail, i);
+    if constexpr (kWithY) {
+      row_terms(p, w, kU, bhs)[i] = total(tail + 2 * kT, i);
+      if (!kY) row_terms(p, w, kU2, bhs)[i] = 0.f;
+    }
+    row_terms(p, w, kXdot, bhs)[i] = total(tail + 4 * kT, i);
   }
-  row_sums(xpart, scratch, red);
-  if (threadIdx.x < kT) row_terms(p, w, kXdot, bhs)[threadIdx.x] = red[threadIdx.x];
-  const float total = block_sum(dot, scratch);
-  if (threadIdx.x == 0) w.dg[bhs] = w.decay[bhs] * total;
+  if (threadIdx.x == 0) w.dg[bhs] = w.decay[bhs] * block_total(tail + 6 * kT);
 }
 
 // dM = dy Xd^T per head of a group (dy x^T, scaled by dt_j), its intra_i terms, and
@@ -402,10 +523,14 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
   __shared__ __align__(16) S_t sA2[kAsync ? kSlabSize<T> : 1];  // kAsync: the second buffers
   __shared__ __align__(16) S_t sB2[kAsync ? kSlabSize<T> : 1];
   __shared__ StepVals sv;
-  __shared__ float scratch[2 * kT], rowT[kT], colT[kT];
-  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, P = p.headdim, hpg = H / G;
-  const int64_t s = blockIdx.x % S, bg = blockIdx.x / S, b = bg / G, g = bg % G;
+  __shared__ float sums[4 * kT];  // a head's row partials, then its column partials (put_rows, put_cols)
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, P = p.headdim, hpg = ssd_div(H, G);
+  const int64_t bg = ssd_div(blockIdx.x, S), s = blockIdx.x - bg * S, b = ssd_div(bg, G), g = bg - b * G;
   const Sub u = sub_of(p, b, s);
+  // one_seq: no reset among the sub-chunk's steps (seq_idx is non-decreasing), so no sequence test.
+  // bfloat16: the decay by __expf (a few ulp; dCB enters dB and dC as bfloat16 halves hi + lo).
+  const bool one_seq = p.seq_idx == nullptr || p.seq_idx[b * p.seqlen + u.t0] == u.s_last;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const float* cb = w.cb + (int64_t)blockIdx.x * kT * kT;
   const int64_t ldx = H * P;
   Acc dcb;
@@ -414,18 +539,23 @@ __global__ void __launch_bounds__(kThreads, kMinDcb) dcb_kernel(SsdGradParams gp
   auto head_done = [&](int64_t h, const Acc& dm) {
     float rp[4] = {0.f, 0.f, 0.f, 0.f}, cp[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for_each([&](int mi, int ni, int r, int i, int j, int rs, int cs) {
-      if (i < u.len && j <= i && sv.seq[i] == sv.seq[j]) {
-        const float gd = expf(sv.cs[i] - sv.cs[j]), d = dm.v[mi][ni][r] * sv.dt[j];  // dM_ij
+      if ((i < u.len) & (j <= i) & (one_seq | (sv.seq[i] == sv.seq[j]))) {  // (bitwise: one branch)
+        const float x = sv.cs[i] - sv.cs[j];
+        const float gd = kBf16 ? __expf(x) : expf(x), d = dm.v[mi][ni][r] * sv.dt[j];  // dM_ij
         const float t = d * cb[i * kT + j] * gd;                                        // dM_ij M_ij
         rp[rs] += t;
         cp[cs] += t;
         dcb.v[mi][ni][r] += d * gd;
       }
     });
-    row_sums(rp, scratch, rowT);
-    col_sums(cp, scratch, colT);
+    // One barrier: the next head writes sums only after the loop's next barrier (run_pipeline's
+    // after compute, or the barriers before each head's product).
+    put_rows(rp, sums);
+    put_cols(cp, sums + 2 * kT);
+    __syncthreads();
     if (threadIdx.x < kT)
-      row_terms(p, w, kIntra, (b * H + h) * S + s)[threadIdx.x] = rowT[threadIdx.x] - colT[threadIdx.x];
+      row_terms(p, w, kIntra, (b * H + h) * S + s)[threadIdx.x] =
+          total(sums, threadIdx.x) - total(sums + 2 * kT, threadIdx.x);
   };
   if constexpr (kAsync) {
     const HeadSlabs<S_t> hs{sA, sA2, sB, sB2, (int)((P + kSlab - 1) / kSlab), P};
@@ -492,10 +622,10 @@ __device__ __forceinline__ void dbdc_mma(const SsdGradParams& gp, const SsdScrat
   __shared__ __align__(16) S_t sA2[kAsync ? kSlabSize<T> : 1];  // kAsync: the second buffers
   __shared__ __align__(16) S_t sB2[kAsync ? kSlabSize<T> : 1];
   __shared__ float coef[kT];
-  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim, hpg = H / G;
-  const int64_t tiles_n = (N + kT - 1) / kT, chunk = blockIdx.x / (2 * tiles_n);  // chunk: (b G + g) S + s
-  const int64_t s = chunk % S, bg = chunk / S, b = bg / G, g = bg % G;
-  const int64_t n0 = (int64_t)(blockIdx.x / 2 % tiles_n) * kT;
+  const int64_t S = p.nsubs(), H = p.nheads, G = p.ngroups, N = p.dstate, P = p.headdim, hpg = ssd_div(H, G);
+  const int64_t tiles_n = (N + kT - 1) / kT, pair = blockIdx.x / 2, chunk = ssd_div(pair, tiles_n);  // (b G + g) S + s
+  const int64_t bg = ssd_div(chunk, S), s = chunk - bg * S, b = ssd_div(bg, G), g = bg - b * G;
+  const int64_t n0 = (pair - chunk * tiles_n) * kT;
   const bool is_dc = blockIdx.x % 2 == 1;
   const Sub u = sub_of(p, b, s);
   const int64_t ldx = H * P, ldn = G * N;
@@ -607,7 +737,7 @@ __global__ void ddt_kernel(SsdGradParams gp, SsdScratch w, bool u_split) {
   const int64_t H = p.nheads, S = p.nsubs();
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= p.batch * S * H) return;
-  const int64_t h = idx % H, s = (idx / H) % S, b = idx / (H * S), bhs = (b * H + h) * S + s;
+  const int64_t q = ssd_div(idx, H), h = idx - q * H, b = ssd_div(q, S), s = q - b * S, bhs = (b * H + h) * S + s;
   const Sub u = sub_of(p, b, s);
   const int len = u.len;
   // (each row is kT floats, 256-byte aligned: SsdScratch::rows)

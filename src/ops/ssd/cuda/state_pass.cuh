@@ -67,10 +67,10 @@ __global__ void __launch_bounds__(kPassThreads) state_pass_kernel(SsdParams p, S
                                                                    bool seed, const T* dfinal, T* dinit) {
   using Vec = StateVec<T, V>;
   const int64_t S = p.nsubs(), N = p.dstate, P = p.headdim, NP = N * P;
-  const int64_t per = (NP / V + kPassThreads - 1) / kPassThreads;
-  const int64_t bh = blockIdx.x / per, e = ((blockIdx.x % per) * kPassThreads + threadIdx.x) * V;
+  const int64_t per = (ssd_div(NP, V) + kPassThreads - 1) / kPassThreads;
+  const int64_t bh = ssd_div(blockIdx.x, per), e = ((blockIdx.x - bh * per) * kPassThreads + threadIdx.x) * V;
   if (e >= NP) return;
-  const int64_t n = e / P, q = e % P;  // the V entries share n (V divides P when V > 1)
+  const int64_t n = ssd_div(e, P), q = e - n * P;  // the V entries share n (V divides P when V > 1)
   const int64_t spc = p.subs_per_chunk();
   T* st = states + bh * S * NP + e;
   const float* dec = w.decay + bh * S;

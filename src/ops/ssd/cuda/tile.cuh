@@ -572,47 +572,41 @@ __device__ __forceinline__ void mma_split_b(Acc& acc, const S* A, const S* Bhi, 
   if (Operand<S>::kSplit) mma_slab(acc, A, Blo, ks);
 }
 
-// Row sums of the tile: part[rslot] holds the thread's sum over its columns for each of its rows;
-// out[row] (shared, 64) receives the total over all 64 columns, summed in a fixed order.
-// scratch: 128 shared floats. All threads must call it; it synchronizes the block.
-__device__ __forceinline__ void row_sums(const float (&part)[4], float* scratch, float* out) {
+// Row and column sums of the tile in a fixed order, behind one barrier of the caller's for any
+// number of sets. put_rows(part, at): part[rslot] holds the thread's sum over its columns for each
+// of its rows; the warp's quads add them and write the set's row partials at `at` (2 kT shared
+// floats, one half a warp column). put_cols(part, at): part[cslot] holds the thread's sum over
+// its rows for each of its columns, likewise. After the caller's __syncthreads, thread i < kT
+// reads the set's total for row (column) i as total(at, i). Between two uses of the same floats
+// the block must pass another barrier (readers done before writers start). (Row and column sums
+// used to take two barriers each: four a head in dcb, eight in dx's tail.)
+__device__ __forceinline__ void put_rows(const float (&part)[4], float* at) {
 #pragma unroll
   for (int rs = 0; rs < 4; ++rs) {
     float v = part[rs];
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     v += __shfl_xor_sync(0xffffffffu, v, 2);
-    if ((lane_id() & 3) == 0) scratch[warp_n() * kT + acc_row(rs >> 1, (rs & 1) * 2)] = v;
+    if ((lane_id() & 3) == 0) at[warp_n() * kT + acc_row(rs >> 1, (rs & 1) * 2)] = v;
   }
-  __syncthreads();
-  if (threadIdx.x < kT) out[threadIdx.x] = scratch[threadIdx.x] + scratch[kT + threadIdx.x];
-  __syncthreads();
 }
-
-// Column sums: part[cslot] holds the thread's sum over its rows for each of its columns.
-__device__ __forceinline__ void col_sums(const float (&part)[8], float* scratch, float* out) {
+__device__ __forceinline__ void put_cols(const float (&part)[8], float* at) {
 #pragma unroll
   for (int cs = 0; cs < 8; ++cs) {
     float v = part[cs];
     v += __shfl_xor_sync(0xffffffffu, v, 4);
     v += __shfl_xor_sync(0xffffffffu, v, 8);
     v += __shfl_xor_sync(0xffffffffu, v, 16);
-    if (lane_id() < 4) scratch[warp_m() * kT + acc_col(cs >> 1, cs & 1)] = v;
+    if (lane_id() < 4) at[warp_m() * kT + acc_col(cs >> 1, cs & 1)] = v;
   }
-  __syncthreads();
-  if (threadIdx.x < kT) out[threadIdx.x] = scratch[threadIdx.x] + scratch[kT + threadIdx.x];
-  __syncthreads();
 }
-
-// Sum of one value per thread over the block, in a fixed order; every thread gets it.
-// scratch: 4 shared floats. Synchronizes the block.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+__device__ __forceinline__ float total(const float* at, int i) { return at[i] + at[kT + i]; }
+// The block sum's partials (one a warp; 4 floats at `at`), read after the caller's barrier by
+// block_total: the four warps' totals added in a fixed order.
+__device__ __forceinline__ void put_block(float v, float* at) {
   v = cuda::warp_sum(v);
-  if (lane_id() == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  const float total = (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
-  __syncthreads();
-  return total;
+  if (lane_id() == 0) at[threadIdx.x >> 5] = v;
 }
+__device__ __forceinline__ float block_total(const float* at) { return (at[0] + at[1]) + (at[2] + at[3]); }
 
 // acc += A B^T over k < P, 64 at a time, staged through registers: A(r, k) = a[r lda + k] for
 // r < ra and B(r, k) = b[r ldb + k] for r < rb, both raw and contiguous along k (zeros elsewhere).
