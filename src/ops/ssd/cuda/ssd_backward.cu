@@ -375,29 +375,30 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
           cuda::cp_async_commit();
         }
       }
-    }
+    } else {  // with Y (S's <dS, S> came in Y): B staged, dS by cp.async (kTiles) or staged
 #pragma unroll 1
-    for (int64_t n0 = 0; n0 < (kRingX ? 0 : N); n0 += kSlab) {  // (with Y; S's <dS, S> came in Y)
-      const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
-      if constexpr (kTiles) {  // sB (k, q) = dS[n0 + k][p0 + q] as stored, by cp.async
-        const int kp = (int)(P - p0 < kT ? P - p0 : kT);
-        cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(sB, ds + n0 * P + p0, P, 0, kn, kp);
-        cuda::cp_async_commit();
+      for (int64_t n0 = 0; n0 < N; n0 += kSlab) {
+        const int kn = (int)(N - n0 < kSlab ? N - n0 : kSlab), kk = round16(kn);
+        if constexpr (kTiles) {  // sB (k, q) = dS[n0 + k][p0 + q] as stored, by cp.async
+          const int kp = (int)(P - p0 < kT ? P - p0 : kT);
+          cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(sB, ds + n0 * P + p0, P, 0, kn, kp);
+          cuda::cp_async_commit();
+        }
+        stage_op<kVec, true, false>(
+            sA, sA, kk, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ldn + n0 + k]) : 0.f; },
+            [&](int j, int k, float(&v)[8]) { load8(Bm + j * ldn + n0 + k, j < u.len && k < kn, v); });
+        if constexpr (kTiles) {
+          cuda::cp_async_wait<0>();  // the only group in flight (the tiles were waited for in Y)
+        } else {
+          stage_op<kVec, false, false>(
+              sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(ds[(n0 + k) * P + p0 + q]) : 0.f; },
+              [&](int q, int k, float(&v)[8]) { load8(ds + (n0 + k) * P + p0 + q, k < kn && p0 + q < P, v); });
+        }
+        __syncthreads();
+        if constexpr (kTiles) mma_slab_kn(ax, sA, sB, kk);  // sB as [k][q]
+        else mma_slab(ax, sA, sB, kk);
+        __syncthreads();
       }
-      stage_op<kVec, true, false>(
-          sA, sA, kk, [&](int j, int k) { return j < u.len && k < kn ? to_f32(Bm[j * ldn + n0 + k]) : 0.f; },
-          [&](int j, int k, float(&v)[8]) { load8(Bm + j * ldn + n0 + k, j < u.len && k < kn, v); });
-      if constexpr (kTiles) {
-        cuda::cp_async_wait<0>();  // the only group in flight (the tiles were waited for in Y)
-      } else {
-        stage_op<kVec, false, false>(
-            sB, sB, kk, [&](int q, int k) { return k < kn && p0 + q < P ? to_f32(ds[(n0 + k) * P + p0 + q]) : 0.f; },
-            [&](int q, int k, float(&v)[8]) { load8(ds + (n0 + k) * P + p0 + q, k < kn && p0 + q < P, v); });
-      }
-      __syncthreads();
-      if constexpr (kTiles) mma_slab_kn(ax, sA, sB, kk);  // sB as [k][q]
-      else mma_slab(ax, sA, sB, kk);
-      __syncthreads();
     }
     if constexpr (kTiles)
       for_each_entry(tX, [&](int mi, int ni, int r, int i, int q, int rs, float xv) {
