@@ -198,19 +198,19 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   // slab t multiplies; B of slab t + 1 (read from L2) goes into slab t's dS tile once it is free.
   auto ring = [&](int64_t i) -> S_t* { return i == 0 ? sA : i == 1 ? sL : sB; };
   const int64_t nslabs = (N + kSlab - 1) / kSlab;
-  const int64_t ldn0 = G * N;
-  const T* const Bm0 = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
-  const T* const ds0 = (const T*)w.dstates + (bh * S + s) * N * P;
+  const int64_t ldn = G * N;  // between steps
+  const T* Bm = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
+  const T* ds = (const T*)w.dstates + (bh * S + s) * N * P;  // entry (n, p) at [n P + p]
   auto slab_kn = [&](int64_t t) { return (int)(N - t * kSlab < kSlab ? N - t * kSlab : kSlab); };
   auto issue_ds = [&](int64_t t, int64_t p0) {
     if constexpr (kRingX) {
       const int kp = (int)(P - p0 < kT ? P - p0 : kT);
-      cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(ring((2 * t) % 3), ds0 + t * kSlab * P + p0, P, 0, slab_kn(t), kp);
+      cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(ring((2 * t) % 3), ds + t * kSlab * P + p0, P, 0, slab_kn(t), kp);
     }
   };
   auto issue_b = [&](int64_t t) {
     if constexpr (kRingX)
-      cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(ring((2 * t + 1) % 3), Bm0 + t * kSlab, ldn0, 0, u.len, slab_kn(t));
+      cuda::TileCopy<kT, kT, kThreads>::template rows<ld>(ring((2 * t + 1) % 3), Bm + t * kSlab, ldn, 0, u.len, slab_kn(t));
   };
   // After the tiles of columns p0: slab 0 (dS, B) as one group, then dS of slab 1 as another.
   auto issue_first_slabs = [&](int64_t p0) {
@@ -238,15 +238,13 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   }
   // one_seq: no reset among the sub-chunk's steps (seq_idx is non-decreasing).
   const bool one_seq = __syncthreads_and((int)threadIdx.x >= u.len || sv.seq[threadIdx.x] == sv.seq[0]);
-  const int64_t ldx = H * P, ldn = G * N;  // between steps
+  const int64_t ldx = H * P;  // between steps
   const T* x = (const T*)p.x + ((b * p.seqlen + u.t0) * H + h) * P;
   const T* dy = (const T*)gp.dy + ((b * p.seqlen + u.t0) * H + h) * P;
   T* dx = (T*)gp.dx + ((b * p.seqlen + u.t0) * H + h) * P;
-  const T* Bm = (const T*)p.Bm + ((b * p.seqlen + u.t0) * G + g) * N;
   const T* C = (const T*)p.Cm + ((b * p.seqlen + u.t0) * G + g) * N;
   const float* cb = w.cb + ((b * G + g) * S + s) * kT * kT;
-  const T* st = states + (bh * S + s) * N * P;                 // entry (n, p) at [n P + p]
-  const T* ds = (const T*)w.dstates + (bh * S + s) * N * P;  // likewise
+  const T* st = states + (bh * S + s) * N * P;  // entry (n, p) at [n P + p], as ds
   const int ks = round16(u.len);
   float vpart[4] = {0.f, 0.f, 0.f, 0.f}, upart[4] = {0.f, 0.f, 0.f, 0.f}, xpart[4] = {0.f, 0.f, 0.f, 0.f};
   float dot = 0.f;  // this thread's share of <dS, S>
@@ -282,12 +280,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
           for (int e = 0; e < 4; ++e) {
             int k, q;
             oct_pos<true>(e, k, q);
-            const uint32_t a[4] = {sr[e].x, sr[e].y, sr[e].z, sr[e].w}, d[4] = {dr[e].x, dr[e].y, dr[e].z, dr[e].w};
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-              dot += __uint_as_float(a[m] << 16) * __uint_as_float(d[m] << 16);
-              dot += __uint_as_float(a[m] & 0xffff0000u) * __uint_as_float(d[m] & 0xffff0000u);
-            }
+            dot_bf16x8(dot, sr[e], dr[e]);
             *reinterpret_cast<uint4*>(sB + k * ld + q) = sr[e];
           }
         } else {
@@ -356,13 +349,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
         for (int e = 0; e < 4; ++e) {
           int k, q;
           oct_pos<true>(e, k, q);
-          const uint4 dr = *reinterpret_cast<const uint4*>(tds + k * ld + q);  // zeros past kn, P
-          const uint32_t a[4] = {sr[e].x, sr[e].y, sr[e].z, sr[e].w}, d[4] = {dr.x, dr.y, dr.z, dr.w};
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            dot += __uint_as_float(a[m] << 16) * __uint_as_float(d[m] << 16);
-            dot += __uint_as_float(a[m] & 0xffff0000u) * __uint_as_float(d[m] & 0xffff0000u);
-          }
+          dot_bf16x8(dot, sr[e], *reinterpret_cast<const uint4*>(tds + k * ld + q));  // zeros past kn, P
         }
         mma_slab_kn(ax, tb, tds, kk);  // B [j][k], dS [k][q]
         __syncthreads();

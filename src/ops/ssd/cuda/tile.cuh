@@ -492,6 +492,16 @@ __device__ __forceinline__ void load8(const float* p, bool valid, float (&v)[8])
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+// acc += Σ_m a[m] d[m] over two octets of raw bfloat16 (8 pairs), in element order.
+__device__ __forceinline__ void dot_bf16x8(float& acc, const uint4& a8, const uint4& d8) {
+  const uint32_t a[4] = {a8.x, a8.y, a8.z, a8.w}, d[4] = {d8.x, d8.y, d8.z, d8.w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    acc += __uint_as_float(a[m] << 16) * __uint_as_float(d[m] << 16);
+    acc += __uint_as_float(a[m] & 0xffff0000u) * __uint_as_float(d[m] & 0xffff0000u);
+  }
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&h);
