@@ -1,5 +1,6 @@
 // SSD scan: chunked kernel vs. the naive float64 recurrence, gradients, states, packing; the CUDA
 // kernels against the CPU op (float32) and the float64 recurrence (bfloat16).
+#include <algorithm>
 #include <cstdlib>
 
 #include "cuda_harness.h"
@@ -139,6 +140,31 @@ TEST(Ssd, PackingEqualsSeparateSequences) {
 TEST(Ssd, DeterministicAcrossThreadCounts) {
   torch::manual_seed(7);
   expect_deterministic_across_threads(ssd_case({3, 150, 4, 16, 2, 8, 32, true, true}));
+}
+
+TEST(Ssd, CudaGridSizeCountsEveryKernelsBlocks) {
+  // ssd_cuda_max_grid (the bound the CUDA binding checks against 2^31) against a brute-force count
+  // of the grids: one block a (row, head, sub-chunk of 64 steps) and, for dB/dC, two a (row, group,
+  // sub-chunk, 64 columns of the state), over awkward sizes; then sizes on both sides of 2^31.
+  for (int64_t B : {1, 3})
+    for (int64_t L : {1, 63, 97, 1025, 65537})
+      for (int64_t chunk : {16, 64, 256})
+        for (int64_t H : {1, 4, 16})
+          for (int64_t N : {1, 64, 130, 512}) {
+            hax::ops::SsdParams p;
+            p.batch = B, p.seqlen = L, p.nheads = H, p.ngroups = H >= 4 ? 2 : 1, p.dstate = N, p.chunk = chunk;
+            int64_t subs = 0;  // sub-chunks of one row: each chunk cut into pieces of at most 64 steps
+            for (int64_t t0 = 0; t0 < L; t0 += chunk) subs += (std::min(chunk, L - t0) + 63) / 64;
+            const int64_t tiles_n = (N + 63) / 64;
+            const int64_t want = std::max(B * subs * H, B * subs * p.ngroups * tiles_n * 2);
+            EXPECT_EQ(hax::ops::ssd_cuda_max_grid(p), want) << "B=" << B << " L=" << L << " chunk=" << chunk << " H=" << H << " N=" << N;
+          }
+  hax::ops::SsdParams p;
+  p.batch = 1, p.nheads = 16, p.ngroups = 1, p.dstate = 128, p.chunk = 64;
+  p.seqlen = (int64_t{1} << 27) * 64 - 64;  // 2^27 - 1 sub-chunks, 2^31 - 16 blocks
+  EXPECT_LT(hax::ops::ssd_cuda_max_grid(p), int64_t{1} << 31);
+  p.seqlen += 64;  // 2^31
+  EXPECT_EQ(hax::ops::ssd_cuda_max_grid(p), int64_t{1} << 31);
 }
 
 TEST(Ssd, BadInputsNameTheTensor) {

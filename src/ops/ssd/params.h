@@ -163,6 +163,15 @@ inline int64_t ssd_cuda_workspace(const SsdParams& p, bool backward, int64_t sta
   return ssd_cuda_scratch(p, backward, state_bytes, nullptr).total;
 }
 
+// Thread blocks in the largest grid of the CUDA kernels: B S H (one a row, head and sub-chunk) or
+// dB/dC's B S G tiles_n 2. Grids and the kernels' block coordinates (head_sub_of_block) are 32-bit,
+// so the binding refuses a call where this reaches 2^31.
+inline int64_t ssd_cuda_max_grid(const SsdParams& p) {
+  const int64_t tiles_n = (p.dstate + kSsdSubChunk - 1) / kSsdSubChunk;
+  const int64_t per_sub = p.nheads > 2 * p.ngroups * tiles_n ? p.nheads : 2 * p.ngroups * tiles_n;
+  return p.batch * p.nsubs() * per_sub;
+}
+
 // CUDA kernels (float32 or bfloat16 storage, float32 math; bfloat16 runs its matrix products on
 // tensor cores); `stream` is a cudaStream_t. dA_part is float32. No atomics: the backward is
 // deterministic.
