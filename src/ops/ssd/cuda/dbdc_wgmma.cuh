@@ -1,5 +1,5 @@
 // The SSD backward's dB and dC on warpgroup products (wgmma, sm_90a builds): the same output as
-// ssd_backward.cu's dbdc_kernel, for bfloat16 with P and N multiples of 64, N <= 128 and 16-byte
+// dbdc.cuh's dbdc_kernel, for bfloat16 with P and N multiples of 64, N <= 128 and 16-byte
 // aligned tensors (dbdc_wg_applies); other sizes keep the mma.sync kernel. Per block of one
 // warpgroup, (row, group, sub-chunk, 64 columns of N, dB or dC) as dbdc_kernel:
 //   dB(j, n) = Σ_heads w_j dt_j Σ_p x_j[p] dS[n][p] + Σ_i dCB_ij C_i[n]
