@@ -16,6 +16,7 @@ static part only)."""
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,7 @@ def blocks_per_sm(regs, smem, threads):
     per_warp = ((regs * 32 + 255) // 256) * 256  # registers are allocated per warp, 256 at a time
     by_regs = REGS_SM // (per_warp * warps) if regs else BLOCKS_SM
     by_smem = SMEM_SM // (smem + SMEM_RESERVED)
-    return min(by_regs, by_smem, WARPS_SM // warps, BLOCKS_SM), by_regs, by_smem
+    return min(by_regs, by_smem, WARPS_SM // warps, BLOCKS_SM)
 
 
 def demangle(names):
@@ -85,11 +86,19 @@ def main():
     files = [os.path.relpath(os.path.abspath(f), repo) for f in a.files]
     base_dir = None
     if a.base:
-        base_dir = tempfile.mkdtemp(prefix="ptxas_base_")
         arch = subprocess.run(["git", "-C", repo, "archive", a.base, "src"], capture_output=True)
         if arch.returncode != 0:
             sys.exit(f"ptxas_occupancy: --base {a.base}: {arch.stderr.decode().strip()}")
+        base_dir = tempfile.mkdtemp(prefix="ptxas_base_")
         subprocess.run(["tar", "x", "-C", base_dir], input=arch.stdout, check=True)
+    try:
+        report(a, repo, files, base_dir)
+    finally:
+        if base_dir:
+            shutil.rmtree(base_dir, ignore_errors=True)
+
+
+def report(a, repo, files, base_dir):
     print(f"{'kernel':<60} {'regs':>5} {'spill':>6} {'smem':>7} {'blocks/SM':>9}" + ("  base: regs spill blocks" if a.base else ""))
     for f in files:
         now = kernels(repo, f, a.arch)
@@ -102,12 +111,12 @@ def main():
             if a.filter and not re.search(a.filter, names[n]):
                 continue
             regs, spill, smem = now[n]
-            blocks, _, _ = blocks_per_sm(regs, smem, a.threads)
+            blocks = blocks_per_sm(regs, smem, a.threads)
             line = f"{names[n][:60]:<60} {regs:>5} {spill:>6} {smem:>7} {blocks:>9}"
             if a.base:
                 if names[n] in old:
                     r0, s0, m0 = old[names[n]]
-                    b0 = blocks_per_sm(r0, m0, a.threads)[0]
+                    b0 = blocks_per_sm(r0, m0, a.threads)
                     line += f"  {'!' if b0 != blocks else ' '} {r0:>4} {s0:>5} {b0:>6}"
                 else:
                     line += "    (new)"

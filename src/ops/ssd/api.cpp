@@ -84,10 +84,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(const at::Tensor& x0
     if (init.defined()) fin.copy_(init);  // an empty sequence passes the state through
     else fin.zero_();
   } else if (x.is_cuda()) {
-    HAX_CHECK(ssd_cuda_max_grid(p) < (int64_t{1} << 31),
+    const int64_t blocks = ssd_cuda_max_grid(p);
+    HAX_CHECK(blocks < (int64_t{1} << 31),
               "ssd: batch {} x length {} x {} heads (groups {}, d_state {}) needs {} CUDA thread blocks in one grid; "
               "the CUDA kernels take fewer than 2^31: split the batch, or the sequence (passing the final state on)",
-              d.B, d.L, d.H, d.G, d.N, ssd_cuda_max_grid(p));
+              d.B, d.L, d.H, d.G, d.N, blocks);
     if (prep) {
       *prep = at::empty({ssd_cuda_prep_entries(p)}, x.options().dtype(at::kFloat));
       p.prep = prep->data_ptr<float>();

@@ -38,9 +38,9 @@ struct HeadSub {
 // gives them back: the forward at L = 64K went 0.669-0.676 -> 0.612-0.623 ms, H200, 2026-11-29.)
 __device__ __forceinline__ HeadSub head_sub_of_block(int64_t H, int64_t S, int64_t G) {
   HeadSub r;
-  const uint32_t x = blockIdx.x, h32 = (uint32_t)H, s32 = (uint32_t)S, q = x / h32, b = q / s32;
-  r.h = x - q * h32, r.s = q - b * s32, r.b = b;
-  r.bh = r.b * H + r.h, r.g = (x - q * h32) / (h32 / (uint32_t)G);
+  const uint32_t x = blockIdx.x, h32 = (uint32_t)H, q = x / h32, b = q / (uint32_t)S, h = x - q * h32;
+  r.h = h, r.s = q - b * (uint32_t)S, r.b = b;
+  r.bh = r.b * H + r.h, r.g = h / (h32 / (uint32_t)G);
   return r;
 }
 
