@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -18,6 +20,9 @@ constexpr const char* kOp = "sparse_attention";
 
 std::atomic<AttentionPath> g_path{AttentionPath::kAuto};
 std::atomic<bool> g_wgmma_products{true};
+// Whether band plans count their keys' blocks (AttentionTilePlan::key_uses) so that the backward
+// sums the keys of few blocks in bfloat16: -1 not set yet (HAX_TILE_KEY_SUMS decides, default 1).
+std::atomic<int> g_few_key_sums{-1};
 
 struct Dims {
   int64_t B, L, Lk, H, D, Dv, S, K;
@@ -204,12 +209,20 @@ AttentionParams make_params(const Inputs& in, double scale) {
 // the plan kernel's hash-slot order: the sort they would need to be ascending cost a quarter of
 // the kernel (H100, HAX at 64K: 1.07 -> 0.82 ms without it), and nothing here reads the order.
 struct TilePlan {
-  at::Tensor count, keys, mask;
+  at::Tensor count, keys, mask;  // count: (blocks), or (blocks + 1) with the overflow counter last (build_tile_plan)
+  at::Tensor uses;  // (B*H, Lk) int32 key_uses of a band's plan with few-key sums on, or undefined
   AttentionTilePlan view() const {
     AttentionTilePlan v;
     v.count = count.data_ptr<int32_t>(), v.keys = keys.data_ptr<int32_t>();
     v.mask = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
+    v.key_uses = uses.defined() ? uses.data_ptr<int32_t>() : nullptr;
+    v.overflow = overflow();
     return v;
+  }
+  // The plan's count of overflowing blocks (AttentionTilePlan::overflow), where it has one.
+  int32_t* overflow() const {
+    const int64_t blocks = keys.size(0);
+    return count.numel() > blocks ? count.data_ptr<int32_t>() + blocks : nullptr;
   }
 };
 
@@ -217,9 +230,13 @@ TilePlan build_tile_plan(const Inputs& in, const AttentionParams& p) {
   const int64_t blocks = in.d.B * in.d.H * attention_tile_blocks(in.d.L);
   const auto i32 = in.idx.options();
   TilePlan plan;
-  plan.count = at::empty({blocks}, i32);
+  plan.count = at::empty({blocks + 1}, i32);  // (the last entry counts the blocks that overflow)
+  plan.count.narrow(0, blocks, 1).zero_();
   plan.keys = at::empty({blocks, kAttentionTileMaxKeys}, i32);
   plan.mask = at::empty({blocks, kAttentionTilesPerBlock, kAttentionTileQueries}, i32.dtype(at::kLong));
+  // A band's plan (HAX's union) without a bias: count each key's blocks, for the backward's
+  // bfloat16 sums of the keys of few blocks.
+  if (p.band && !p.bias && sparse_attention_few_key_sums()) plan.uses = at::zeros({in.d.B * in.d.H * in.d.Lk}, i32);
   HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_tile_plan_cuda(p, plan.view(), cuda_stream(in.q), /*sorted=*/false));
   return plan;
 }
@@ -240,8 +257,11 @@ CudaGrads backward_cuda(const Inputs& in, const at::Tensor& lse, const at::Tenso
   const Dims& d = in.d;
   const bool det = deterministic();
   const auto f32 = in.q.options().dtype(at::kFloat);
+  // With the plan's key_uses, only the float32 rows of keys of many blocks are used (zeroed and cast
+  // by sparse_attention_many_use_rows_cuda); the other keys' sums go to g.dk, g.dv directly.
+  const bool few = tiles && tiles->uses.defined() && !in.bias.defined();
   auto accumulator = [&](std::vector<int64_t> sizes) {
-    return det && !tiles ? new_output(sizes, f32) : at::zeros(sizes, f32);
+    return (det && !tiles) || few ? new_output(sizes, f32) : at::zeros(sizes, f32);
   };
   CudaGrads g;
   g.dq = new_output_like(in.q);
@@ -262,7 +282,15 @@ CudaGrads backward_cuda(const Inputs& in, const at::Tensor& lse, const at::Tenso
     gp.dbias = dbias.defined() ? dbias.data_ptr() : nullptr;
     gp.dseg_w = g.dseg_w.defined() ? g.dseg_w.data_ptr() : nullptr;
     gp.deterministic = det && !tiles;
-    if (tiles) gp.fwd.tile_count = tiles->count.data_ptr<int32_t>();
+    if (tiles) gp.fwd.tile_count = tiles->count.data_ptr<int32_t>(), gp.fwd.tile_overflow = tiles->overflow();
+    if (few) {
+      // (every row is written: stored by its one block, or zeroed by many_use_rows first)
+      g.dk = new_output({d.B, d.Lk, d.H, d.D}, in.q.options());
+      g.dv = new_output({d.B, d.Lk, d.H, d.Dv}, in.q.options());
+      gp.key_uses = tiles->uses.data_ptr<int32_t>();
+      gp.dk_bf16 = g.dk.data_ptr(), gp.dv_bf16 = g.dv.data_ptr();
+      HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_many_use_rows_cuda(gp, /*finish=*/false, cuda_stream(in.q)));
+    }
     at::Tensor key_entries, key_start, chunk_start, partial_start, partials;
     if (gp.deterministic) {
       const int64_t BH = d.B * d.H, N = d.L * d.S * d.K;
@@ -301,8 +329,10 @@ CudaGrads backward_cuda(const Inputs& in, const at::Tensor& lse, const at::Tenso
       gp.fwd.out = out.data_ptr();
       HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_tile_backward_cuda(gp, tiles->view(), cuda_stream(in.q)));
     }
+    if (few) HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_many_use_rows_cuda(gp, /*finish=*/true, cuda_stream(in.q)));
   }
   const auto dt = in.q.scalar_type();
+  if (few) return g;
   g.dk = dk.to(dt), g.dv = dv.to(dt);
   if (dbias.defined()) g.dbias = dbias.to(dt);
   return g;
@@ -312,11 +342,13 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
-  // plan_count, plan_keys, plan_mask: a tile plan built by the caller (sparse_attention_union),
+  // plan_count, plan_keys, plan_mask, plan_uses: a tile plan built by the caller (sparse_attention_union; plan_uses
+  // empty unless it counted its keys' blocks),
   // or empty tensors (the forward builds it from idx when the tile path applies).
   static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor idx,
                                at::Tensor bias, at::Tensor seg_w, at::Tensor q_order, double scale,
-                               bool record, at::Tensor plan_count, at::Tensor plan_keys, at::Tensor plan_mask) {
+                               bool record, at::Tensor plan_count, at::Tensor plan_keys, at::Tensor plan_mask,
+                               at::Tensor plan_uses) {
     ctx->set_materialize_grads(false);  // an unused output (lse, final state) gets no tensor of zeros
     // Absent optional tensors arrive as empty tensors (LibTorch's autograd needs defined ones).
     auto present = [](const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); };
@@ -337,8 +369,8 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
     const bool given = plan_count.numel() > 0;
     HAX_CHECK(!given || tiles, "{}: a tile plan was given but the tile path does not apply to these inputs", kOp);
     if (tiles) {
-      plan = given ? TilePlan{plan_count, plan_keys, plan_mask} : build_tile_plan(in, p);
-      p.tile_count = plan.count.data_ptr<int32_t>();
+      plan = given ? TilePlan{plan_count, plan_keys, plan_mask, present(plan_uses)} : build_tile_plan(in, p);
+      p.tile_count = plan.count.data_ptr<int32_t>(), p.tile_overflow = plan.overflow();
     }
     // CPU, one segment, a backward to come: the forward records its key unions for it.
     at::Tensor union_count, union_keys, union_mult;
@@ -375,6 +407,7 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
       ctx->saved_data["plan_count"] = plan.count;
       ctx->saved_data["plan_keys"] = plan.keys;
       ctx->saved_data["plan_mask"] = plan.mask;
+      ctx->saved_data["plan_uses"] = plan.uses.defined() ? plan.uses : at::empty({0}, at::kInt);
     }
     auto or_empty = [&](const at::Tensor& t, at::ScalarType dt) { return t.defined() ? t : at::empty({0}, dt); };
     ctx->saved_data["scale"] = scale;
@@ -411,10 +444,12 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
         plan.count = ctx->saved_data["plan_count"].toTensor();
         plan.keys = ctx->saved_data["plan_keys"].toTensor();
         plan.mask = ctx->saved_data["plan_mask"].toTensor();
+        const at::Tensor uses = ctx->saved_data["plan_uses"].toTensor();
+        if (uses.numel() > 0) plan.uses = uses;
       }
       const CudaGrads g = backward_cuda(in, lse, dout, dlse, scale, path, tiles ? &plan : nullptr, s[8]);
       const at::Tensor none;  // (idx, q_order, scale, record and the plan have no gradient)
-      return {g.dq, g.dk, g.dv, none, g.dbias, g.dseg_w, none, none, none, none, none, none};
+      return {g.dq, g.dk, g.dv, none, g.dbias, g.dseg_w, none, none, none, none, none, none, none};
     }
     at::Tensor dout = grads[0].defined() ? grads[0].contiguous() : at::zeros({d.B, d.L, d.H, d.Dv}, in.q.options());
     at::Tensor dlse = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
@@ -447,7 +482,7 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
       if (dbias.defined()) dbias.zero_();
     }
     const at::Tensor none;
-    return {dq, dk, dv, none, dbias, dseg_w, none, none, none, none, none, none};
+    return {dq, dk, dv, none, dbias, dseg_w, none, none, none, none, none, none, none};
   }
 };
 
@@ -457,6 +492,22 @@ void set_sparse_attention_path(AttentionPath path) { g_path.store(path); }
 AttentionPath sparse_attention_path() { return g_path.load(); }
 void set_sparse_attention_wgmma_products(bool on) { g_wgmma_products.store(on); }
 bool sparse_attention_wgmma_products() { return g_wgmma_products.load(); }
+void set_sparse_attention_few_key_sums(bool on) { g_few_key_sums.store(on ? 1 : 0); }
+bool sparse_attention_few_key_sums() {
+  int v = g_few_key_sums.load();
+  if (v < 0) {
+    const char* e = std::getenv("HAX_TILE_KEY_SUMS");
+    const std::string s = e ? e : "1";
+    HAX_CHECK(s == "0" || s == "1",
+              "HAX_TILE_KEY_SUMS = '{}' must be 0 (every key's gradient summed in float32) or 1 (the keys of few "
+              "blocks in bfloat16)", s);
+    v = s == "1";
+    int unset = -1;
+    g_few_key_sums.compare_exchange_strong(unset, v);
+    v = g_few_key_sums.load();
+  }
+  return v == 1;
+}
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& idx, const at::Tensor& bias,
@@ -471,7 +522,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const a
                        (bias.defined() && bias.requires_grad()) || (seg_w.defined() && seg_w.requires_grad()));
   const at::Tensor none = at::empty({0}, at::kInt);
   auto out = SparseAttentionFunction::apply(q, k, v, idx, absent(bias), absent(seg_w),
-                                            q_order.defined() ? q_order : none, scale, record, none, none, none);
+                                            q_order.defined() ? q_order : none, scale, record, none, none, none, none);
   return {out[0], out[1]};
 }
 
@@ -486,12 +537,14 @@ std::tuple<at::Tensor, at::Tensor> planned_union(const char* op, const at::Tenso
                                                  const MergeOverflow& merge_overflow) {
   const Dims& d = in.d;
   const TilePlan plan = build_tile_plan(in, p);
-  const at::Tensor idx = merge_overflow(plan.count.view({d.B, d.H, attention_tile_blocks(d.L)}));
+  const int64_t nblk = attention_tile_blocks(d.L);
+  const at::Tensor idx = merge_overflow(plan.count.narrow(0, 0, d.B * d.H * nblk).view({d.B, d.H, nblk}));
   check_shape(op, "merge_overflow(count)", idx, {d.B, d.H, d.L, K}, "(B, H, L, Ka + Kb)");
   const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   const at::Tensor none = at::empty({0}, q.options()), no_int = at::empty({0}, at::kInt);
   auto out = SparseAttentionFunction::apply(q, k, v, idx, none, none, q_order.defined() ? q_order : no_int, scale,
-                                            record, plan.count, plan.keys, plan.mask);
+                                            record, plan.count, plan.keys, plan.mask,
+                                            plan.uses.defined() ? plan.uses : no_int);
   return {out[0], out[1]};
 }
 

@@ -94,4 +94,15 @@ AttentionPath sparse_attention_path();
 void set_sparse_attention_wgmma_products(bool on);
 bool sparse_attention_wgmma_products();
 
+// Whether the CUDA tile backward of a union with an LSH band (sparse_attention_union_band) writes
+// the dk, dv rows of keys in at most two query blocks' unions in bfloat16 directly: the plan counts
+// each key's blocks; a key of one block gets its block's sums stored (rounded once, as from a
+// float32 accumulator), a key of two has both sums rounded and added with bfloat16 atomics, and
+// only the keys of more blocks (Key Selection's popular keys) are summed in float32 accumulators.
+// Most of the band's keys are of one or two blocks, so the accumulators' fill and cast of their
+// whole size go. Off: every key in float32 (the form before). Process-wide; the first read takes
+// HAX_TILE_KEY_SUMS (0 or 1, default 1). For tests and benchmarks.
+void set_sparse_attention_few_key_sums(bool on);
+bool sparse_attention_few_key_sums();
+
 }  // namespace hax::ops

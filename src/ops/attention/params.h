@@ -48,6 +48,9 @@ struct AttentionParams {
   // CUDA only: when set, the blocks of kAttentionTileQueries queries (in q_order) whose plan
   // entry is >= 0 are computed by the tile kernels, and the per-query kernels skip their queries.
   const int32_t* tile_count = nullptr;  // (B*H, ceil(L / kAttentionTileQueries)), see AttentionTilePlan
+  // With tile_count, optional: how many of its blocks overflow (AttentionTilePlan::overflow); when
+  // 0, the per-query kernels return at once instead of checking every block's count.
+  const int32_t* tile_overflow = nullptr;
   // CUDA tile plan only: a second list per query whose keys join idx's (the plan of the union of
   // two lists; keys in both count once), (B, H, L, maxkeys_b), or null. Needs maxkeys + maxkeys_b
   // <= kAttentionPlanMaxStagedKeys.
@@ -94,6 +97,15 @@ struct AttentionGradParams {
   float* key_partials = nullptr;               // (key_partial_start[B*H*Lk], D + Dv + 1) per-chunk sums
                                                // Σ dscore q, Σ w a dO, Σ dscore of keys of several chunks
   float* workspace = nullptr;     // float32 scratch of sparse_attention_cuda_workspace(*this) entries
+  // CUDA tile path with a plan's key_uses (AttentionTilePlan): a key of one block has its tile's
+  // sums stored into dk_bf16, dv_bf16 (input dtype), a key of two blocks adds them there with
+  // bfloat16 atomics; only the other keys' rows of dk, dv are used. sparse_attention_many_use_rows_cuda
+  // zeroes the rows that get added to (and those of keys of no block) and casts the float32 ones,
+  // so that neither the float32 accumulators nor dk_bf16, dv_bf16 need a fill of their whole size,
+  // nor the accumulators a cast. Null: every key is summed in dk, dv.
+  const int32_t* key_uses = nullptr;  // (B*H, Lk)
+  void* dk_bf16 = nullptr;            // (B, Lk, H, D)
+  void* dv_bf16 = nullptr;            // (B, Lk, H, Dv)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -121,7 +133,24 @@ struct AttentionTilePlan {
                              // sorted, see sparse_attention_tile_plan_cuda), -1 padded
   uint64_t* mask = nullptr;  // (B*H, nblk, kAttentionTilesPerBlock, kAttentionTileQueries): bit c of
                              // mask[..., t, r] = query r of the block lists key keys[t*64 + c]
+  // Optional, plans with a band (AttentionParams::band) only: (B*H, Lk) how many planned blocks
+  // hold each key in their union (so add to its dk and dv), zeroed by the caller; a key of a block
+  // that overflows gets kAttentionKeyManyUses or more. The backward then stores the sums of a key
+  // of one block directly and adds those of a key of two blocks in bfloat16
+  // (AttentionGradParams::key_uses).
+  int32_t* key_uses = nullptr;
+  // Optional: the number of blocks whose union overflows (count -1), counted by the plan (zeroed by
+  // the caller), for AttentionParams::tile_overflow.
+  int32_t* overflow = nullptr;
 };
+// A key_uses value that marks a key of an overflowing block (a store, never reached by the counts:
+// a key is in at most L / 64 < 2^30 blocks' unions).
+constexpr int32_t kAttentionKeyManyUses = 1 << 30;
+// The most blocks whose sums of a key's dk and dv the tile backward adds in bfloat16: a key of one
+// block gets its sum stored (rounded once, as from a float32 accumulator); of two, each sum is
+// rounded to bfloat16 and added to the zeroed bfloat16 row with atomics (two roundings of sums and
+// one of their total, against one rounding of a float32 total).
+constexpr int32_t kAttentionKeyFewUses = 2;
 HAX_HOST_DEVICE inline int64_t attention_tile_blocks(int64_t L) { return (L + kAttentionTileQueries - 1) / kAttentionTileQueries; }
 
 // Whether the CUDA tile path applies: bfloat16, one segment, no segment weights, not
@@ -146,6 +175,12 @@ void sparse_attention_tile_forward_cuda(const AttentionParams& p, const Attentio
 // Backward of the planned blocks: dq (bfloat16) of their queries, and their contributions to the
 // float32 accumulators dk, dv, dbias (atomics). Needs gp.fwd.out, the forward's output.
 void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const AttentionTilePlan& plan, void* stream);
+
+// With gp.key_uses (params.h): finish false, before the backward's kernels, zeroes the float32
+// rows of dk, dv (gp.dk / gp.dv) of the keys of more than kAttentionKeyFewUses blocks and the rows
+// of dk_bf16, dv_bf16 of the keys of 0 or of 2 to kAttentionKeyFewUses blocks; finish true, after
+// them, casts those float32 rows into dk_bf16, dv_bf16.
+void sparse_attention_many_use_rows_cuda(const AttentionGradParams& gp, bool finish, void* stream);
 
 // Entries per work chunk of the deterministic key pass.
 constexpr int64_t kAttentionKeyChunk = 256;

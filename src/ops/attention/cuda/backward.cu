@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp(g.mask);
   };
   if (gp.fwd.tile_count)
-    for_each_overflow_item<kThreads / G>(gp.fwd.tile_count, lay.L, nblk, items, item);
+    for_each_overflow_item<kThreads / G>(gp.fwd.tile_count, gp.fwd.tile_overflow, lay.L, nblk, items, item);
   else
     for (int64_t w = blockIdx.x; w < items; w += gridDim.x) item(w);
 }

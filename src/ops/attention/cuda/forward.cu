@@ -117,7 +117,7 @@ __device__ __forceinline__ void forward_item(const AttentionParams& p, const Lay
 template <class T, int G, bool kVec>
 __global__ void __launch_bounds__(kThreads) forward_kernel(AttentionParams p, Layout lay, int64_t nblk, int64_t items) {
   if (p.tile_count)
-    for_each_overflow_item<kThreads / G>(p.tile_count, lay.L, nblk, items,
+    for_each_overflow_item<kThreads / G>(p.tile_count, p.tile_overflow, lay.L, nblk, items,
                                          [&](int64_t w) { forward_item<T, G, kVec>(p, lay, nblk, w); });
   else
     for (int64_t w = blockIdx.x; w < items; w += gridDim.x) forward_item<T, G, kVec>(p, lay, nblk, w);

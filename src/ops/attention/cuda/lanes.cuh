@@ -64,13 +64,15 @@ struct Group {
 // `run(item)` for the items whose block overflows (tile_count < 0) only, in ascending order. So a
 // CTA checks kThreads items with one load each instead of taking them one by one (at 64K x 16
 // heads, 65536 items that one CTA each only checked cost ~100 us a kernel). Every thread of the
-// CTA must call it; `run` must not hold a CTA-wide barrier.
+// CTA must call it; `run` must not hold a CTA-wide barrier. With `overflow` (AttentionParams::
+// tile_overflow) at 0, no block overflows, and it returns at once.
 constexpr size_t kOverflowItemSmem = sizeof(uint32_t) * (kThreads / 32);  // its static shared memory
 template <int kQueries, class F>
-__device__ __forceinline__ void for_each_overflow_item(const int32_t* tile_count, int64_t L, int64_t nblk,
-                                                       int64_t items, F&& run) {
+__device__ __forceinline__ void for_each_overflow_item(const int32_t* tile_count, const int32_t* overflow, int64_t L,
+                                                       int64_t nblk, int64_t items, F&& run) {
   static_assert(kAttentionTileQueries % kQueries == 0 && kThreads % 32 == 0, "items of one tile block");
   __shared__ uint32_t hits[kOverflowItemSmem / sizeof(uint32_t)];  // bit t % 32 of word t / 32: item base + t·gridDim.x overflows
+  if (overflow && *overflow == 0) return;  // (the same value in every thread: written by an earlier kernel)
   const int64_t stride = gridDim.x, tiles = attention_tile_blocks(L);
   for (int64_t base = blockIdx.x; base < items; base += stride * kThreads) {
     const int64_t w = base + (int64_t)threadIdx.x * stride;

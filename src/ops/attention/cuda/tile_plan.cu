@@ -29,6 +29,11 @@
 // go through steps 1 and 3. (Listed, the band's keys cost 64 hash insertions and lookups per
 // query where a block's bands hold ~100 distinct keys.) A wider span takes the band's keys as
 // list entries, read from band_pos.
+// With a band and plan.key_uses, the plan also counts for each key the blocks whose union holds it
+// (AttentionTilePlan::key_uses): a block adds 1 for each key its hash set takes as new (list
+// entries, and a band's keys past the span) and, at its end if it did not overflow, for each of
+// its bitmap-marked band keys (a list entry that finds one of those is no new key); a block that
+// overflows stores kAttentionKeyManyUses for each of its entries (the per-query kernels take it).
 // Sorted, the result does not depend on the order of the atomics: the union is sorted and the
 // masks are ORs of fixed bits. Not sorted, keys whose probe sequences collide may take their slots
 // in either order, so the union's order (not its content) can differ between runs.
@@ -157,6 +162,7 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       if (cur == key) return false;
     }
   };
+  int32_t* uses = kBand && plan.key_uses ? plan.key_uses + bh * Lk : nullptr;
   // kBand: whether the band's keys go by the bitmap (`covered`), and then how many there are.
   bool covered = false;
   int n_band = 0;
@@ -215,15 +221,36 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       if (*(volatile int*)&count > kU) break;
       const int32_t key = t0 + lane < total ? entry(r, list, na, t0 + lane) : -1;
       if (key < 0 || key >= Lk) continue;  // -1, or out of range (unchecked input): no key
-      if (insert(key, -1)) atomicAdd(&count, 1);
+      if (insert(key, -1)) {
+        atomicAdd(&count, 1);
+        if (uses) atomicAdd(&uses[key], 1);  // (a key new to the block: one more block holds it)
+      }
     }
   }
   __syncthreads();
   const int u = count;
   if (u > kU) {
-    if (threadIdx.x == 0) plan.count[blockIdx.x] = -1;
+    if (threadIdx.x == 0) {
+      plan.count[blockIdx.x] = -1;
+      if (plan.overflow) atomicAdd(plan.overflow, 1);
+    }
+    if constexpr (kBand) {
+      if (uses)  // the per-query kernels add every entry of the block in float32
+        for (int r = warp; r < nq; r += kWarps) {
+          const int32_t* list = list_of(r);
+          const int nb = band_len[r];
+          const int64_t total = nb + (list ? K : 0);
+          for (int64_t t = lane; t < total; t += 32) {
+            const int32_t key = t < nb ? band_pos[band_lo[r] + t] : list[t - nb];
+            if (key >= 0 && key < Lk) uses[key] = kAttentionKeyManyUses;
+          }
+        }
+    }
     return;
   }
+  if (uses && covered)  // each bitmap-marked band key (keys[0 .. n_band), fixed since the band's barrier): one more block
+    for (int rk = threadIdx.x; rk < n_band; rk += kThreads)
+      if (keys[rk] >= 0) atomicAdd(&uses[keys[rk]], 1);
 
   if constexpr (!kSorted) {
     // The keys not ranked yet (all of them without a band) in hash-slot order (not ascending; see

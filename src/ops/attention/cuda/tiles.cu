@@ -10,8 +10,10 @@
 //           O_i = 0, lse_i = -inf),
 // backward  one kernel: per tile, with the tile's keys as rows, dv_j += Σ_i P_ij dO_i, dk_j +=
 //           scale Σ_i dS_ij q_i, dbias_j += Σ_i dS_ij, added to float32 accumulators with atomics
-//           (a key appears in the unions of several blocks); dq_i = scale Σ_j dS_ij k_j from the
-//           tile's dS through shared memory, in registers over the tiles (one writer per query).
+//           (a key appears in the unions of several blocks; with a plan's key_uses, a key of one
+//           block is stored and a key of two added to bfloat16 rows instead, params.h);
+//           dq_i = scale Σ_j dS_ij k_j from the tile's dS through shared memory, in registers over
+//           the tiles (one writer per query).
 // P and dS enter the second product of each step rounded to bfloat16, as in FlashAttention-2
 // and the causal attention kernel; everything else is float32. At head dim 64 with 16-byte rows
 // the tiles sit in the 128-byte swizzle, 1024-byte aligned, and on sm_90a builds every product
@@ -97,24 +99,56 @@ __device__ __forceinline__ void block_queries(int32_t* rows, const AttentionPara
   }
 }
 
-// acc[nt][2r..2r+1] (columns nt*8 + 2t, +1 of row `row`) times mul, added to the float32 array
-// dst (row stride `stride`, columns < ncols) with atomics, two at a time where aligned.
+// How add_row adds a key's sums: to its float32 row with atomics; to its bfloat16 row with
+// atomics; or stored into its bfloat16 row (the key's only block). AttentionGradParams::key_uses.
+enum RowSum : int { kSumF32 = 0, kSumBf16 = 1, kStoreBf16 = 2 };
+
+// acc[nt][2r..2r+1] (columns nt*8 + 2t, +1 of the thread's row r) times mul, into the float32 row
+// f32 or the bfloat16 row b16 as `how` says (the bfloat16 forms round each sum once), two entries
+// at a time where ncols is even. One loop for all forms, so that the unrolled stores exist once
+// (two unrolled copies kept both rows' addresses live: ptxas spilled 1.4 KB a thread).
 template <int DB>
-__device__ __forceinline__ void atomic_add_row(float* dst, const float (&acc)[DB / 8][4], int r, float mul,
-                                               int ncols, int t, bool pairs) {
+__device__ __forceinline__ void add_row(float* f32, bf16* b16, int how, const float (&acc)[DB / 8][4], int r,
+                                        float mul, int ncols, int t, bool pairs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (pairs) {  // ncols even: reductions (without a returned value) or stores of two entries
+    const uint64_t base = how ? reinterpret_cast<uint64_t>(b16 + 2 * t) : reinterpret_cast<uint64_t>(f32 + 2 * t);
+    const int step = how ? 16 : 32;  // bytes of 8 entries
+#pragma unroll
+    for (int nt = 0; nt < DB / 8; ++nt) {
+      if (nt * 8 + 2 * t >= ncols) continue;
+      const float a = acc[nt][2 * r] * mul, b = acc[nt][2 * r + 1] * mul;
+      const uint64_t at = base + (uint64_t)(nt * step);
+      if (how == kSumF32) {
+        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(a), "f"(b) : "memory");
+      } else {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(&v);
+        if (how == kSumBf16)
+          asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(at), "r"(w) : "memory");
+        else
+          asm volatile("st.global.b32 [%0], %1;" ::"l"(at), "r"(w) : "memory");
+      }
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int nt = 0; nt < DB / 8; ++nt) {
     const int d = nt * 8 + 2 * t;
     if (d >= ncols) continue;
     const float a = acc[nt][2 * r] * mul, b = acc[nt][2 * r + 1] * mul;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (pairs) {
-      atomicAdd(reinterpret_cast<float2*>(dst + d), make_float2(a, b));
-      continue;
+    const bool second = d + 1 < ncols;
+    if (how == kSumF32) {
+      atomicAdd(f32 + d, a);
+      if (second) atomicAdd(f32 + d + 1, b);
+    } else if (how == kSumBf16) {
+      atomicAdd(b16 + d, __float2bfloat16_rn(a));
+      if (second) atomicAdd(b16 + d + 1, __float2bfloat16_rn(b));
+    } else {
+      b16[d] = __float2bfloat16_rn(a);
+      if (second) b16[d + 1] = __float2bfloat16_rn(b);
     }
-#endif
-    atomicAdd(dst + d, a);
-    if (d + 1 < ncols) atomicAdd(dst + d + 1, b);
   }
 }
 
@@ -521,6 +555,14 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
     const unsigned long long* sMask = bs.mask[buf];
     const float* bias2 = bs.bias2[buf];
     const int kr[2] = {r0 + g, r0 + g + 8};  // the thread's two key rows of the tile
+    // With key_uses, whether each row's key is one of few blocks (loaded now, used after the products).
+    int32_t nuse[2] = {INT32_MAX, INT32_MAX};
+    if (gp.key_uses)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int j = bs.keys[buf][kr[r]];
+        if (j >= 0) nuse[r] = __ldg(gp.key_uses + bh * z.Lk + j);
+      }
     float st[NT][4] = {}, dpt[NT][4] = {}, db[2] = {0.f, 0.f};
     if constexpr (W::kFirst) {
       cuda::wgmma_dot2<NT>(st, ts.K(buf), sQ, dpt, ts.V(buf), sdO);
@@ -567,8 +609,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
       const float dbr = db_acc ? sum4(db[r]) : 0.f;  // (uniform: the shuffles only with a bias)
       const int j = bs.keys[buf][kr[r]];
       if (j < 0) continue;
-      atomic_add_row<DB>(dk_acc + (int64_t)j * sqk, dk, r, z.scale, z.D, t, pairs_k);
-      atomic_add_row<DB>(dv_acc + (int64_t)j * sv, dv, r, 1.f, z.Dv, t, pairs_v);
+      // With key_uses, the keys of few blocks go to the bfloat16 rows instead (params.h; the
+      // pointers come from the parameters here, where live through the loop they cost spills).
+      const int how = nuse[r] == 1 ? kStoreBf16 : nuse[r] <= kAttentionKeyFewUses ? kSumBf16 : kSumF32;
+      add_row<DB>(dk_acc + (int64_t)j * sqk, (bf16*)gp.dk_bf16 + gb.off_k + (int64_t)j * sqk, how, dk, r, z.scale, z.D,
+                  t, pairs_k);
+      add_row<DB>(dv_acc + (int64_t)j * sv, (bf16*)gp.dv_bf16 + gb.off_v + (int64_t)j * sv, how, dv, r, 1.f, z.Dv, t,
+                  pairs_v);
       if (db_acc && t == 0) atomicAdd(db_acc + j, dbr);
     }
     if constexpr (W::kAll) {  // dQ's product done before the next barrier lets K's buffer and sdS be rewritten
