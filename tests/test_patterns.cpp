@@ -574,6 +574,55 @@ TEST(PatternTopKPrefix, TiesGoToTheEarlierPosition) {
   EXPECT_TRUE(at::equal(gn, at::tensor({0, -1, 0, 1, 0, 1, 1, 3}, at::kInt).view({4, 2}))) << gn;
 }
 
+// Key Selection as intervals: expanding each row's (key, leave) entries gives the brute-force
+// top k of every prefix and top_k_prefix's lists exactly (random scores, mostly tied ones with NaNs, packed rows, awkward sizes); the keys
+// ascend, every interval is non-empty and ends inside its key's sequence.
+TEST(PatternTopKPrefix, IntervalsExpandToTheLists) {
+  torch::manual_seed(133);
+  const int64_t B = 2, H = 2;
+  for (bool ties : {false, true})
+    for (int64_t L : kLengths)
+      for (int64_t k : kKs)
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE(trace(L, k, packed) + " ties=" + std::to_string(ties));
+          const at::Tensor seq = packing(B, L, packed);
+          at::Tensor scores = ties ? at::randint(0, 4, {B, L, H}).to(at::kFloat) : at::randn({B, L, H});
+          if (ties) scores.masked_fill_(at::rand({B, L, H}) < 0.05, NAN);
+          const at::Tensor lists = pat::top_k_prefix(scores, k, seq).idx;  // (B, H, L, k)
+          const pat::KeyIntervals iv = pat::top_k_prefix_intervals(scores, k, seq);
+          ASSERT_EQ(iv.count.sizes(), (at::IntArrayRef{B, H}));
+          ASSERT_EQ(iv.key.sizes(), iv.leave.sizes());
+          at::Tensor want = at::full({B, H, L, k}, -1, at::kInt);
+          auto w = want.accessor<int32_t, 4>();
+          const auto c = iv.count.accessor<int32_t, 2>();
+          const auto key = iv.key.accessor<int32_t, 3>();
+          const auto leave = iv.leave.accessor<int32_t, 3>();
+          for (int64_t b = 0; b < B; ++b) {
+            // end[i]: one past the last position of i's sequence.
+            std::vector<int64_t> end(L, L);
+            if (seq.defined())
+              for (int64_t i = L - 2; i >= 0; --i)
+                end[i] = seq[b][i].item<int>() == seq[b][i + 1].item<int>() ? end[i + 1] : i + 1;
+            for (int64_t h = 0; h < H; ++h) {
+              std::vector<int64_t> filled(L, 0);
+              for (int64_t t = 0; t < c[b][h]; ++t) {
+                const int64_t j = key[b][h][t], e = leave[b][h][t];
+                ASSERT_TRUE(j >= 0 && j < e && e <= end[j]) << "entry " << t << ": key " << j << " leave " << e;
+                if (t > 0) ASSERT_LT(key[b][h][t - 1], j);
+                for (int64_t i = j; i < e; ++i) {
+                  ASSERT_LT(filled[i], k) << "query " << i << " holds more than k keys";
+                  w[b][h][i][filled[i]++] = (int32_t)j;  // (keys ascending: each list ascending)
+                }
+              }
+            }
+          }
+          // The definition, per query (NaN ranks lowest: -inf for the brute force's sort).
+          const at::Tensor ranked = at::where(scores.isnan(), at::full({}, -INFINITY), scores);
+          EXPECT_TRUE(at::equal(want, brute_top_k(ranked, k, seq)));
+          EXPECT_TRUE(at::equal(want, lists));
+        }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Merge and counts.
 

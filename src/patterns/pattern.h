@@ -88,6 +88,20 @@ KeyLists exclude_band(const KeyLists& a, const LshBand& band);
 // step). scores: (B, L, H).
 KeyLists top_k_prefix(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
 
+// The same pattern as intervals: a key that enters its sequence's top k does so at its own
+// position and, once it leaves, never returns, so query i's list of top_k_prefix is exactly
+// {key[t] : key[t] <= i < leave[t]} over its row's entries. Few keys ever enter (about
+// k (1 + ln(L / k)) for random scores), so the pattern takes O(that) memory where the lists take
+// O(L k): the form a tile plan could read instead of hashing every list entry (BENCHMARKS.md,
+// thirty-third pass). CPU (the reference for such a plan); the tensors are put on scores' device.
+struct KeyIntervals {
+  at::Tensor count;  // (B, H) int32: entries of each row
+  at::Tensor key;    // (B, H, M) int32: the keys that ever enter, ascending, -1 padded (M: the largest count)
+  at::Tensor leave;  // (B, H, M) int32: the first query position whose set no longer holds key[t]
+                     // (its sequence's end if none), -1 padded
+};
+KeyIntervals top_k_prefix_intervals(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
+
 // The same pattern in the block form of ops/attention/blocks.h, for ops::sparse_attention_blocks
 // (no lists): the keys of a block of 64 queries are its prefix's top k and its own positions, so
 // its union fits when k <= kTopKBlocksMaxK = 448 (checked; also 1 <= k). CUDA scores: built by the
