@@ -608,7 +608,9 @@ TEST(PatternTopKPrefix, IntervalsExpandToTheLists) {
               for (int64_t t = 0; t < c[b][h]; ++t) {
                 const int64_t j = key[b][h][t], e = leave[b][h][t];
                 ASSERT_TRUE(j >= 0 && j < e && e <= end[j]) << "entry " << t << ": key " << j << " leave " << e;
-                if (t > 0) ASSERT_LT(key[b][h][t - 1], j);
+                if (t > 0) {
+                  ASSERT_LT(key[b][h][t - 1], j);
+                }
                 for (int64_t i = j; i < e; ++i) {
                   ASSERT_LT(filled[i], k) << "query " << i << " holds more than k keys";
                   w[b][h][i][filled[i]++] = (int32_t)j;  // (keys ascending: each list ascending)

@@ -140,6 +140,53 @@ const std::vector<BlockCase> kCases = {{1, 1, 1, 16, 16, 1, false},    {2, 63, 2
 
 }  // namespace
 
+// HAX's union from LSH's band and Key Selection's intervals (patterns::hax_blocks) equals the block
+// form of the merged lists in LSH's query order: random queries and keys (awkward sizes, packed
+// rows), random scores; and with scores that rise (Key Selection = the most recent keys), whose
+// blocks of far-apart queries overflow. Then its checks.
+TEST(TileBlocks, HaxBlocksFromBandAndIntervalsEqualMergedLists) {
+  torch::manual_seed(92);
+  for (int64_t L : {1, 63, 97, 1025})
+    for (int64_t K : {1, 13, 32})
+      for (bool packed : {false, true})
+        for (bool rising : {false, true}) {
+          SCOPED_TRACE("L " + std::to_string(L) + " K " + std::to_string(K) + (packed ? " packed" : "") +
+                       (rising ? " rising scores" : ""));
+          const int64_t B = 2, H = 2, N = 16;
+          const at::Tensor seq = packed ? random_packing(B, L, 0.02) : at::Tensor();
+          const at::Tensor q = at::randn({B, L, H, N}), k = at::randn({B, L, H, N});
+          const at::Tensor proj = pat::lsh_projection(N, 3, 6);
+          const at::Tensor scores = rising ? at::arange(L, at::kFloat).view({1, L, 1}).expand({B, L, H}).contiguous()
+                                           : at::randn({B, L, H});
+          const pat::KeyLists lsh = pat::lsh(q, k, K, proj, pat::Binning::kSign, seq);
+          const pat::LshBand band = pat::lsh_band(q, k, K, proj, pat::Binning::kSign, seq);
+          const pat::KeyLists ks = pat::top_k_prefix(scores, K, seq);
+          const pat::KeyIntervals iv = pat::top_k_prefix_intervals(scores, K, seq);
+          const at::Tensor merged = pat::merge(lsh, ks).idx;  // (B, H, L, 2K) by query position
+          const at::Tensor ranked = merged.gather(2, band.q_order.to(at::kLong).unsqueeze(-1).expand_as(merged));
+          const TileBlocks want = hax::ops::tile_blocks_from_lists(ranked.contiguous(), L);
+          const TileBlocks got = pat::hax_blocks(band, K, iv, K);
+          expect_blocks_equal(got, want);
+          if (rising && !packed && L == 1025 && K == 32) {
+            EXPECT_TRUE(got.count.lt(0).any().item<bool>()) << "no block overflowed";
+          }
+        }
+  // Checks: a band run past L, an interval that leaves before it enters.
+  const int64_t L = 97;
+  const at::Tensor q = at::randn({1, L, 1, 8});
+  const pat::LshBand band = pat::lsh_band(q, q, 4, pat::lsh_projection(8, 3, 1), pat::Binning::kSign, at::Tensor());
+  const pat::KeyIntervals iv = pat::top_k_prefix_intervals(at::randn({1, L, 1}), 4, at::Tensor());
+  pat::LshBand bad = band;
+  bad.band = band.band.clone();
+  bad.band[1][0][0][0] = (int32_t)L;
+  bad.band[0][0][0][0] = (int32_t)L - 1;
+  expect_usage_error([&] { pat::hax_blocks(bad, 4, iv, 4); }, "band run lists sorted keys outside [0, L = 97)");
+  pat::KeyIntervals worse = iv;
+  worse.leave = iv.leave.clone();
+  worse.leave[0][0][0] = iv.key[0][0][0];
+  expect_usage_error([&] { pat::hax_blocks(band, 4, worse, 4); }, "leave outside (key, L]");
+}
+
 TEST(TileBlocks, AttentionMatchesReferenceFloat64) {
   torch::manual_seed(94);
   for (const BlockCase& s : kCases) {

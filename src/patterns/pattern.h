@@ -102,6 +102,14 @@ struct KeyIntervals {
 };
 KeyIntervals top_k_prefix_intervals(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
 
+// HAX's union (LSH's band with band_keys a query, and Key Selection's intervals of ks_keys) in the
+// tile path's block form over the ranks of band.q_order: block n holds the queries q_order[64 n ..
+// 64 n + 63], its keys ascending, its mask bits as ops::tile_blocks_from_lists gives for the merged
+// lists in that order (max_keys = band_keys + ks_keys). CPU, on band's device; the definition of a
+// plan that takes each block's Key Selection keys from the intervals (a binary search and an
+// interval test) instead of hashing every list entry (BENCHMARKS.md, thirty-third pass).
+ops::TileBlocks hax_blocks(const LshBand& band, int64_t band_keys, const KeyIntervals& ks, int64_t ks_keys);
+
 // The same pattern in the block form of ops/attention/blocks.h, for ops::sparse_attention_blocks
 // (no lists): the keys of a block of 64 queries are its prefix's top k and its own positions, so
 // its union fits when k <= kTopKBlocksMaxK = 448 (checked; also 1 <= k). CUDA scores: built by the

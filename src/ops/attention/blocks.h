@@ -11,8 +11,10 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "ops/attention/params.h"
 
@@ -34,6 +36,31 @@ inline int64_t tile_blocks_count(int64_t L) { return attention_tile_blocks(L); }
 // ignored), on idx's device: plain loops on the CPU (the definition), the tile plan kernel
 // (cuda/tile_plan.cu) on CUDA. Equal on both for every block that fits.
 TileBlocks tile_blocks_from_lists(const at::Tensor& idx, int64_t Lk);
+
+// CPU: block `item` of a block form (count, keys (items, kAttentionTileMaxKeys) -1 filled, mask
+// (items, kAttentionTilesPerBlock, kAttentionTileQueries) zeroed) from its nq queries' keys:
+// each_key(r, f) calls f(key) for every key query r sees (repeats allowed). The union is sorted
+// and deduplicated into `u` (scratch); a union above kAttentionTileMaxKeys gives count -1.
+template <class EachKey>
+void fill_tile_block(int64_t item, int64_t nq, EachKey&& each_key, int32_t* count, int32_t* keys, uint64_t* mask,
+                     std::vector<int32_t>& u) {
+  constexpr int64_t Q = kAttentionTileQueries, U = kAttentionTileMaxKeys, T = kAttentionTilesPerBlock;
+  u.clear();
+  for (int64_t r = 0; r < nq; ++r) each_key(r, [&](int32_t key) { u.push_back(key); });
+  std::sort(u.begin(), u.end());
+  u.erase(std::unique(u.begin(), u.end()), u.end());
+  if ((int64_t)u.size() > U) {
+    count[item] = -1;
+    return;
+  }
+  count[item] = (int32_t)u.size();
+  std::copy(u.begin(), u.end(), keys + item * U);
+  for (int64_t r = 0; r < nq; ++r)
+    each_key(r, [&](int32_t key) {
+      const int64_t c = std::lower_bound(u.begin(), u.end(), key) - u.begin();
+      mask[(item * T + c / 64) * Q + r] |= 1ull << (c % 64);
+    });
+}
 
 // The lists of blocks for L queries: (B, H, L, blocks.max_keys) int32, ascending, -1 padded, on
 // the blocks' device (LibTorch ops; memory O(L · 64 · ceil(max count / 64))). Every block must fit

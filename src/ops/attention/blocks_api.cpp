@@ -75,24 +75,11 @@ TileBlocks from_lists_cpu(const at::Tensor& idx, int64_t Lk) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / nblk, r0 = item % nblk * Q, nq = std::min(Q, L - r0);
       const int32_t* rows = x + (bh * L + r0) * K;  // the block's lists, (nq, K)
-      u.clear();
-      for (int64_t e = 0; e < nq * K; ++e)
-        if (rows[e] >= 0 && rows[e] < Lk) u.push_back(rows[e]);
-      std::sort(u.begin(), u.end());
-      u.erase(std::unique(u.begin(), u.end()), u.end());
-      if ((int64_t)u.size() > U) {
-        cnt[item] = -1;
-        continue;
-      }
-      cnt[item] = (int32_t)u.size();
-      std::copy(u.begin(), u.end(), keys + item * U);
-      for (int64_t r = 0; r < nq; ++r)
-        for (int64_t t = 0; t < K; ++t) {
-          const int32_t key = rows[r * K + t];
-          if (key < 0 || key >= Lk) continue;
-          const int64_t c = std::lower_bound(u.begin(), u.end(), key) - u.begin();
-          mask[(item * T + c / 64) * Q + r] |= 1ull << (c % 64);
-        }
+      const auto each_key = [&](int64_t r, auto&& f) {
+        for (int64_t t = 0; t < K; ++t)
+          if (rows[r * K + t] >= 0 && rows[r * K + t] < Lk) f(rows[r * K + t]);
+      };
+      fill_tile_block(item, nq, each_key, cnt, keys, mask, u);
     }
   });
   return bl;
