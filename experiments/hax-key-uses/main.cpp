@@ -52,4 +52,27 @@ int main(int argc, char** argv) {
     std::printf("%s: %lld keys (%.2f%%)\n", u < 0 ? "Key Selection keys" : ("LSH blocks " + std::to_string(u)).c_str(),
                 (long long)n, 100.0 * n / (H * L));
   std::printf("Key Selection keys per head: %.1f\n", (double)ks_keys / H);
+
+  // The interval form's work per block of 64 queries in LSH's order (patterns::hax_blocks): Key
+  // Selection's candidates (interval keys up to the block's last position that leave after its
+  // first) and the union, against the 64 x 32 list entries the hash plan inserts.
+  const patterns::KeyIntervals iv = patterns::top_k_prefix_intervals(scores, 32, {});
+  const patterns::LshBand band = branch->lsh_band(q, k, {}, &ctx);
+  const ops::TileBlocks bl = patterns::hax_blocks(band, 32, iv, 32);
+  const auto kc = iv.count.accessor<int32_t, 2>();
+  const auto kk = iv.key.accessor<int32_t, 3>(), kl = iv.leave.accessor<int32_t, 3>();
+  const auto qo2 = band.q_order.accessor<int32_t, 3>();
+  const int64_t nblk = (L + 63) / 64;
+  double cand = 0, uni = 0, over = 0;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t n = 0; n < nblk; ++n) {
+      int64_t lo = L, hi = -1;
+      for (int64_t t = 64 * n; t < std::min(L, 64 * n + 64); ++t)
+        lo = std::min<int64_t>(lo, qo2[0][h][t]), hi = std::max<int64_t>(hi, qo2[0][h][t]);
+      for (int64_t e = 0; e < kc[0][h] && kk[0][h][e] <= hi; ++e) cand += kl[0][h][e] > lo;
+      const int32_t c = bl.count[0][h][n].item<int32_t>();
+      if (c < 0) over += 1; else uni += c;
+    }
+  std::printf("interval form: %.1f Key Selection candidates and %.1f union keys a block (%.0f blocks overflow), "
+              "against 2048 list entries a block hashed\n", cand / (H * nblk), uni / (H * nblk - over), over);
 }
