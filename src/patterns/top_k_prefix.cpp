@@ -18,9 +18,10 @@ namespace {
 // The incremental top k of one sequence, positions [s, e) of a row whose position i scores
 // sc[i * H]: the selected keys, ascending by position, in pos/val (k entries each). Calls
 // left(j, i) when key j leaves the set at query i (the query whose set no longer holds it) and
-// then seen(i, m) with the set of query i in pos[0 .. m).
+// then seen(i, m, entered) with the set of query i in pos[0 .. m) (entered: key i joined it).
+// Returns the size of the set at the sequence's end.
 template <class T, class Left, class Seen>
-void scan_top_k(const T* sc, int64_t H, int64_t s, int64_t e, int64_t k, std::vector<int32_t>& pos,
+int64_t scan_top_k(const T* sc, int64_t H, int64_t s, int64_t e, int64_t k, std::vector<int32_t>& pos,
                 std::vector<double>& val, Left&& left, Seen&& seen) {
   int64_t m = 0;       // number selected
   int64_t worst = -1;  // index in pos/val of the member a newcomer must beat (when m == k)
@@ -45,8 +46,9 @@ void scan_top_k(const T* sc, int64_t H, int64_t s, int64_t e, int64_t k, std::ve
       for (int64_t t = 1; t < m; ++t)
         if (val[t] <= val[worst]) worst = t;
     }
-    seen(i, m);
+    seen(i, m, changed);
   }
+  return m;
 }
 
 template <class T>
@@ -61,7 +63,7 @@ void top_k_kernel(const at::Tensor& scores, int64_t k, const at::Tensor& seq, at
     for (const auto& [s, e] : segs)
       scan_top_k(
           sp + b * L * H + h, H, s, e, k, pos, val, [](int32_t, int64_t) {},
-          [&](int64_t i, int64_t m) { std::copy(pos.begin(), pos.begin() + m, row + i * k); });
+          [&](int64_t i, int64_t m, bool) { std::copy(pos.begin(), pos.begin() + m, row + i * k); });
   });
 }
 
@@ -77,15 +79,12 @@ void top_k_intervals_kernel(const at::Tensor& scores, int64_t k, const at::Tenso
     std::vector<int32_t> pos(k), at_of(L, -1);  // at_of[j]: key j's index in out
     std::vector<double> val(k);
     for (const auto& [s, e] : segs) {
-      int64_t seen_m = 0;
-      scan_top_k(
+      const int64_t m = scan_top_k(
           sp + b * L * H + h, H, s, e, k, pos, val, [&](int32_t j, int64_t i) { out[at_of[j]].second = (int32_t)i; },
-          [&](int64_t i, int64_t m) {
-            seen_m = m;
-            if (std::find(pos.begin(), pos.begin() + m, (int32_t)i) != pos.begin() + m)  // key i entered
-              at_of[i] = (int32_t)out.size(), out.push_back({(int32_t)i, -1});
+          [&](int64_t i, int64_t, bool entered) {
+            if (entered) at_of[i] = (int32_t)out.size(), out.push_back({(int32_t)i, -1});
           });
-      for (int64_t t = 0; t < seen_m; ++t) out[at_of[pos[t]]].second = (int32_t)e;  // still held at the end
+      for (int64_t t = 0; t < m; ++t) out[at_of[pos[t]]].second = (int32_t)e;  // still held at the end
     }
   });
 }

@@ -20,9 +20,6 @@ constexpr const char* kOp = "sparse_attention";
 
 std::atomic<AttentionPath> g_path{AttentionPath::kAuto};
 std::atomic<bool> g_wgmma_products{true};
-// Whether band plans count their keys' blocks (AttentionTilePlan::key_uses) so that the backward
-// sums the keys of few blocks in bfloat16: -1 not set yet (HAX_TILE_KEY_SUMS decides, default 1).
-std::atomic<int> g_few_key_sums{-1};
 
 struct Dims {
   int64_t B, L, Lk, H, D, Dv, S, K;
@@ -492,22 +489,24 @@ void set_sparse_attention_path(AttentionPath path) { g_path.store(path); }
 AttentionPath sparse_attention_path() { return g_path.load(); }
 void set_sparse_attention_wgmma_products(bool on) { g_wgmma_products.store(on); }
 bool sparse_attention_wgmma_products() { return g_wgmma_products.load(); }
-void set_sparse_attention_few_key_sums(bool on) { g_few_key_sums.store(on ? 1 : 0); }
-bool sparse_attention_few_key_sums() {
-  int v = g_few_key_sums.load();
-  if (v < 0) {
+// Whether band plans count their keys' blocks (AttentionTilePlan::key_uses) so that the backward
+// sums the keys of few blocks in bfloat16: HAX_TILE_KEY_SUMS at the first use (default 1), as
+// check.cpp's device-value switch.
+namespace {
+std::atomic<bool>& few_key_sums() {
+  static std::atomic<bool> on{[] {
     const char* e = std::getenv("HAX_TILE_KEY_SUMS");
     const std::string s = e ? e : "1";
     HAX_CHECK(s == "0" || s == "1",
               "HAX_TILE_KEY_SUMS = '{}' must be 0 (every key's gradient summed in float32) or 1 (the keys of few "
               "blocks in bfloat16)", s);
-    v = s == "1";
-    int unset = -1;
-    g_few_key_sums.compare_exchange_strong(unset, v);
-    v = g_few_key_sums.load();
-  }
-  return v == 1;
+    return s == "1";
+  }()};
+  return on;
 }
+}  // namespace
+void set_sparse_attention_few_key_sums(bool on) { few_key_sums() = on; }
+bool sparse_attention_few_key_sums() { return few_key_sums(); }
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& idx, const at::Tensor& bias,
