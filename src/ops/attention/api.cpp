@@ -223,7 +223,8 @@ struct TilePlan {
   }
 };
 
-TilePlan build_tile_plan(const Inputs& in, const AttentionParams& p) {
+// backward: a backward may follow (the key counts serve only it).
+TilePlan build_tile_plan(const Inputs& in, const AttentionParams& p, bool backward) {
   const int64_t blocks = in.d.B * in.d.H * attention_tile_blocks(in.d.L);
   const auto i32 = in.idx.options();
   TilePlan plan;
@@ -231,9 +232,9 @@ TilePlan build_tile_plan(const Inputs& in, const AttentionParams& p) {
   plan.count.narrow(0, blocks, 1).zero_();
   plan.keys = at::empty({blocks, kAttentionTileMaxKeys}, i32);
   plan.mask = at::empty({blocks, kAttentionTilesPerBlock, kAttentionTileQueries}, i32.dtype(at::kLong));
-  // A band's plan (HAX's union) without a bias: count each key's blocks, for the backward's
-  // bfloat16 sums of the keys of few blocks.
-  if (p.band && !p.bias && sparse_attention_few_key_sums()) plan.uses = at::zeros({in.d.B * in.d.H * in.d.Lk}, i32);
+  // A band's plan (HAX's union) without a bias, a backward to come: count each key's blocks, for
+  // the backward's bfloat16 sums of the keys of few blocks.
+  if (backward && p.band && !p.bias && sparse_attention_few_key_sums()) plan.uses = at::zeros({in.d.B * in.d.H * in.d.Lk}, i32);
   HAX_CUDA_LAUNCH(kOp, in.q, sparse_attention_tile_plan_cuda(p, plan.view(), cuda_stream(in.q), /*sorted=*/false));
   return plan;
 }
@@ -366,7 +367,7 @@ struct SparseAttentionFunction : public torch::autograd::Function<SparseAttentio
     const bool given = plan_count.numel() > 0;
     HAX_CHECK(!given || tiles, "{}: a tile plan was given but the tile path does not apply to these inputs", kOp);
     if (tiles) {
-      plan = given ? TilePlan{plan_count, plan_keys, plan_mask, present(plan_uses)} : build_tile_plan(in, p);
+      plan = given ? TilePlan{plan_count, plan_keys, plan_mask, present(plan_uses)} : build_tile_plan(in, p, record);
       p.tile_count = plan.count.data_ptr<int32_t>(), p.tile_overflow = plan.overflow();
     }
     // CPU, one segment, a backward to come: the forward records its key unions for it.
@@ -535,11 +536,11 @@ std::tuple<at::Tensor, at::Tensor> planned_union(const char* op, const at::Tenso
                                                  int64_t K, const at::Tensor& q_order, double scale,
                                                  const MergeOverflow& merge_overflow) {
   const Dims& d = in.d;
-  const TilePlan plan = build_tile_plan(in, p);
+  const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const TilePlan plan = build_tile_plan(in, p, record);
   const int64_t nblk = attention_tile_blocks(d.L);
   const at::Tensor idx = merge_overflow(plan.count.narrow(0, 0, d.B * d.H * nblk).view({d.B, d.H, nblk}));
   check_shape(op, "merge_overflow(count)", idx, {d.B, d.H, d.L, K}, "(B, H, L, Ka + Kb)");
-  const bool record = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   const at::Tensor none = at::empty({0}, q.options()), no_int = at::empty({0}, at::kInt);
   auto out = SparseAttentionFunction::apply(q, k, v, idx, none, none, q_order.defined() ? q_order : no_int, scale,
                                             record, plan.count, plan.keys, plan.mask,
