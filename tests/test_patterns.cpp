@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <set>
@@ -590,6 +591,8 @@ TEST(PatternTopKPrefix, IntervalsExpandToTheLists) {
           if (ties) scores.masked_fill_(at::rand({B, L, H}) < 0.05, NAN);
           const at::Tensor lists = pat::top_k_prefix(scores, k, seq).idx;  // (B, H, L, k)
           const pat::KeyIntervals iv = pat::top_k_prefix_intervals(scores, k, seq);
+          EXPECT_EQ(iv.k, k);
+          EXPECT_FALSE(iv.leave_at.defined() || iv.prefix.defined() || iv.start.defined()) << "CPU: no extras";
           ASSERT_EQ(iv.count.sizes(), (at::IntArrayRef{B, H}));
           ASSERT_EQ(iv.key.sizes(), iv.leave.sizes());
           at::Tensor want = at::full({B, H, L, k}, -1, at::kInt);
@@ -621,6 +624,23 @@ TEST(PatternTopKPrefix, IntervalsExpandToTheLists) {
           EXPECT_TRUE(at::equal(want, brute_top_k(ranked, k, seq)));
           EXPECT_TRUE(at::equal(want, lists));
         }
+}
+
+// merge_overflow_rows's intervals form names what it lacks: k above a lane per key, intervals
+// without their CUDA extras (the CPU loop's), a band key count out of range.
+TEST(PatternTopKPrefix, IntervalMergeErrors) {
+  const at::Tensor scores = at::randn({1, 100, 2});
+  const pat::LshBand band;
+  const at::Tensor count = at::zeros({1, 2, 2}, at::kInt);
+  const pat::KeyIntervals k40 = pat::top_k_prefix_intervals(scores, 40, at::Tensor());
+  const pat::KeyIntervals k4 = pat::top_k_prefix_intervals(scores, 4, at::Tensor());
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 16, k40, count); }, "b.k = 40 must be in [1, 32]");
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 16, k4, count); }, "b.leave_at is undefined");
+  pat::KeyIntervals no_prefix = k4;
+  no_prefix.leave_at = at::full({1, 2, 100}, 0, at::kInt);
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 16, no_prefix, count); }, "b.prefix is undefined");
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 0, k4, count); }, "Ka = 0");
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 33, k4, count); }, "Ka = 33");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1065,4 +1085,188 @@ TEST(PatternCuda, MergeAndKeyCountsEqualCpu) {
         expect_cuda_lists(pat::key_counts(got), pat::key_counts(want), "key_counts");
       }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key Selection's intervals on the GPU (top_k_intervals.cu) and the overflowing rows' merge that
+// reads them.
+
+namespace {
+
+// The 64-bit comparison key of Key Selection's kernels (patterns/cuda/top_k_keys.cuh), on the CPU.
+uint64_t score_key_cpu(float v, int64_t pos) {
+  if (std::isnan(v)) v = -INFINITY;
+  if (v == 0.f) v = 0.f;
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((uint64_t)u << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)pos);
+}
+
+// Scores (B, L, H) float32 of a kind: 0 random, 1 integers 0..3 with 5% NaN (mostly ties), 2
+// rising (every key enters), 3 falling (the first k of each sequence enter, none leaves).
+at::Tensor interval_scores(int kind, int64_t B, int64_t L, int64_t H) {
+  if (kind == 0) return at::randn({B, L, H});
+  if (kind == 1) {
+    at::Tensor s = at::randint(0, 4, {B, L, H}).to(at::kFloat);
+    return s.masked_fill_(at::rand({B, L, H}) < 0.05, NAN);
+  }
+  const at::Tensor up = at::arange(L, at::kFloat).view({1, L, 1}) + at::arange(H, at::kFloat).view({1, 1, H});
+  return (kind == 2 ? up : -up).expand({B, L, H}).contiguous();
+}
+
+// GPU intervals `got` of scores (B, L, H) float32 (the values the GPU saw) equal the CPU loop's;
+// with the kernels (k < L, k <= kTopKMaxK) also the extras: leave_at from the CPU's entries, the
+// prefix lists from top_k_prefix's list of each block's query t0 - 1, start from seq.
+void expect_intervals_equal_cpu(const pat::KeyIntervals& got, const at::Tensor& scores, int64_t k,
+                                const at::Tensor& seq) {
+  const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2);
+  const pat::KeyIntervals want = pat::top_k_prefix_intervals(scores, k, seq);
+  EXPECT_EQ(got.k, k);
+  expect_cuda_lists(got.count, want.count, "count");
+  const bool kernels = k < L && k <= hax::patterns::kTopKMaxK;
+  if (!kernels) {  // the CPU loop's, moved to the GPU
+    expect_cuda_lists(got.key, want.key, "key (CPU loop)");
+    expect_cuda_lists(got.leave, want.leave, "leave (CPU loop)");
+    EXPECT_FALSE(got.leave_at.defined() || got.prefix.defined() || got.start.defined()) << "extras from the CPU loop";
+    return;
+  }
+  // key and leave hold L slots: the CPU's entries, then -1.
+  const int64_t M = want.key.size(2);
+  ASSERT_LE(M, L);
+  at::Tensor key = at::full({B, H, L}, -1, at::kInt), leave = at::full({B, H, L}, -1, at::kInt);
+  key.narrow(2, 0, M).copy_(want.key), leave.narrow(2, 0, M).copy_(want.leave);
+  expect_cuda_lists(got.key, key, "key");
+  expect_cuda_lists(got.leave, leave, "leave");
+  // leave_at: each entering key's leave, every other position itself.
+  at::Tensor leave_at = at::arange(L, at::kInt).view({1, 1, L}).repeat({B, H, 1});
+  {
+    auto la = leave_at.accessor<int32_t, 3>();
+    const auto c = want.count.accessor<int32_t, 2>();
+    const auto kk = want.key.accessor<int32_t, 3>();
+    const auto lv = want.leave.accessor<int32_t, 3>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < c[b][h]; ++t) la[b][h][kk[b][h][t]] = lv[b][h][t];
+  }
+  expect_cuda_lists(got.leave_at, leave_at, "leave_at");
+  // start: the first position of each position's sequence.
+  const SeqIds ids(seq, B, L);
+  at::Tensor start = at::empty({B, L}, at::kInt);
+  auto st = start.accessor<int32_t, 2>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < L; ++i) st[b][i] = i > 0 && ids.same(b, i - 1, i) ? st[b][i - 1] : (int32_t)i;
+  expect_cuda_lists(got.start, start, "start");
+  // prefix: block blk's is the list of query 64 blk - 1 as keys, descending, 0-padded (none before block 0).
+  const int64_t nblk = (L + 63) / 64;
+  ASSERT_TRUE(got.prefix.defined());
+  ASSERT_EQ(got.prefix.sizes(), (at::IntArrayRef{B, H, nblk, k}));
+  EXPECT_EQ(got.prefix.scalar_type(), at::kLong);
+  const at::Tensor lists = pat::top_k_prefix(scores, k, seq).idx;
+  at::Tensor prefix = at::zeros({B, H, nblk, k}, at::kLong);
+  {
+    auto pa = prefix.accessor<int64_t, 4>();
+    const auto li = lists.accessor<int32_t, 4>();
+    const auto sc = scores.accessor<float, 3>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t blk = 1; blk < nblk; ++blk) {
+          std::vector<uint64_t> keys;
+          for (int64_t t = 0; t < k && li[b][h][64 * blk - 1][t] >= 0; ++t) {
+            const int64_t j = li[b][h][64 * blk - 1][t];
+            keys.push_back(score_key_cpu(sc[b][j][h], j));
+          }
+          std::sort(keys.rbegin(), keys.rend());
+          for (size_t t = 0; t < keys.size(); ++t) pa[b][h][blk][t] = (int64_t)keys[t];
+        }
+  }
+  const at::Tensor gp = got.prefix.cpu();
+  EXPECT_TRUE(at::equal(gp, prefix)) << "prefix: " << first_difference(gp, prefix);
+}
+
+}  // namespace
+
+// The kernels' intervals equal the CPU loop's exactly, with their extras: awkward lengths (one
+// position: the CPU loop; 5000: 79 blocks, three super blocks of 32), k on the register scans
+// (<= 32) and the shared-memory ones (100), packed rows, random, tied-with-NaN, rising (every key
+// enters: count = L) and falling scores, float32 and bfloat16.
+TEST(PatternCuda, TopKIntervalsEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(251);
+  const int64_t B = 2, H = 2;
+  for (int kind : {0, 1, 2, 3})
+    for (int64_t L : {1, 63, 97, 1025, 5000})
+      for (int64_t k : {1, 13, 32, 100})
+        for (bool packed : {false, true}) {
+          SCOPED_TRACE(trace(L, k, packed) + " kind=" + std::to_string(kind));
+          const at::Tensor seq = packing(B, L, packed);
+          const at::Tensor scores = interval_scores(kind, B, L, H);
+          {
+            SCOPED_TRACE("float32");
+            expect_intervals_equal_cpu(pat::top_k_prefix_intervals(cuda(scores), k, cuda(seq)), scores, k, seq);
+          }
+          {
+            SCOPED_TRACE("bfloat16");
+            const at::Tensor sb = scores.to(at::kBFloat16);
+            expect_intervals_equal_cpu(pat::top_k_prefix_intervals(cuda(sb), k, cuda(seq)), sb.to(at::kFloat), k, seq);
+          }
+        }
+}
+
+// merge_overflow_rows with Key Selection as intervals equals its form over top_k_prefix's lists
+// on the rows of the overflowing blocks (a random mix of blocks by count), with an LSH band, for
+// packed and unpacked rows; with the device-value checks on (the other rows -1 in both) on every row.
+TEST(PatternCuda, TopKIntervalsMergeOverflowRowsEqualLists) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(252);
+  const int64_t B = 2, H = 2, N = 8;
+  for (int64_t L : {97, 1025, 3000})
+    for (int64_t k : {1, 13, 32})
+      for (int64_t Ka : {16, 32})
+        for (bool packed : {false, true})
+          for (bool ties : {false, true}) {
+            SCOPED_TRACE(trace(L, k, packed) + " Ka=" + std::to_string(Ka) + " ties=" + std::to_string(ties));
+            const at::Tensor seq = cuda(packing(B, L, packed));
+            const at::Tensor q = cuda(at::randn({B, L, H, N})), kk = cuda(at::randn({B, L, H, N}));
+            const pat::LshBand band =
+                pat::lsh_band(q, kk, Ka, cuda(pat::lsh_projection(N, 3, 7 + k)), pat::Binning::kSign, seq);
+            const at::Tensor scores = cuda(interval_scores(ties ? 1 : 0, B, L, H));
+            const pat::KeyIntervals iv = pat::top_k_prefix_intervals(scores, k, seq);
+            const pat::KeyLists lists{pat::top_k_prefix(scores, k, seq).idx, at::Tensor()};
+            const int64_t nblk = (L + 63) / 64;
+            const at::Tensor count =
+                at::where(at::rand({B, H, nblk}) < 0.5, at::full({}, -1, at::kInt), at::randint(0, 300, {B, H, nblk}))
+                    .to(at::kInt);
+            // The rows of the negative blocks' ranks.
+            const at::Tensor neg_rank = (count < 0).repeat_interleave(64, 2).narrow(2, 0, L);
+            const at::Tensor rows =
+                at::zeros({B, H, L}, at::kBool).scatter_(2, band.q_order.cpu().to(at::kLong), neg_rank);
+            ASSERT_TRUE(rows.any().item<bool>());
+            const at::Tensor got = pat::merge_overflow_rows(band, Ka, iv, cuda(count)).cpu();
+            const at::Tensor want = pat::merge_overflow_rows(band, Ka, lists, cuda(count)).cpu();
+            ASSERT_EQ(got.sizes(), (at::IntArrayRef{B, H, L, Ka + k}));
+            const at::Tensor g = got.index({rows}), w = want.index({rows});
+            EXPECT_TRUE(at::equal(g, w)) << "overflowing rows: " << first_difference(g, w);
+            ScopedSwitch checks(hax::ops::check_device_values, hax::ops::set_check_device_values, true);
+            const at::Tensor gc = pat::merge_overflow_rows(band, Ka, iv, cuda(count)).cpu();
+            const at::Tensor wc = pat::merge_overflow_rows(band, Ka, lists, cuda(count)).cpu();
+            EXPECT_TRUE(at::equal(gc, wc)) << "every row, checked values: " << first_difference(gc, wc);
+          }
+  // Argument errors with CUDA intervals: k above a lane per key, a block_count of the wrong shape.
+  const at::Tensor scores = cuda(at::randn({1, 200, 2}));
+  const at::Tensor qk = cuda(at::randn({1, 200, 2, N}));
+  const pat::LshBand band = pat::lsh_band(qk, qk, 8, cuda(pat::lsh_projection(N, 3, 1)), pat::Binning::kSign, {});
+  const at::Tensor count = cuda(at::full({1, 2, 4}, -1, at::kInt));
+  const pat::KeyIntervals k40 = pat::top_k_prefix_intervals(scores, 40, at::Tensor());
+  ASSERT_TRUE(k40.leave_at.defined());
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 8, k40, count); }, "b.k = 40 must be in [1, 32]");
+  const pat::KeyIntervals k4 = pat::top_k_prefix_intervals(scores, 4, at::Tensor());
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 8, k4, cuda(at::full({1, 2, 3}, -1, at::kInt))); },
+                     "block_count");
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 8, k4, count.to(at::kLong)); }, "block_count must be int32");
+  pat::KeyIntervals bad = k4;
+  bad.prefix = bad.prefix.narrow(3, 0, 3);
+  expect_usage_error([&] { pat::merge_overflow_rows(band, 8, bad, count); }, "b.prefix");
 }

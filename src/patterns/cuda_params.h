@@ -212,10 +212,32 @@ struct TopKPrefixParams {
   const int32_t* ex_lo = nullptr;
   const int32_t* ex_hi = nullptr;
   const int32_t* ex_rank = nullptr;
+  // Only the scans, up to block_prefix (then out and the block form are unused and unwritten):
+  // what the intervals below read.
+  bool scans_only = false;
 };
 // The largest k of the block form.
 constexpr int64_t kTopKPlanMaxK = 512 - kTopKBlock;
 void top_k_prefix_cuda(const TopKPrefixParams& p, DType dtype, void* stream);
+
+// Key Selection as intervals (patterns::KeyIntervals, patterns/cuda/top_k_intervals.cu): the scans
+// above up to block_prefix, then for every position j whether its key enters (the top k of
+// start(j)..j holds it) and, if so, its leave (the first query whose top k no longer holds it, or
+// its sequence's end); then the entering keys compacted per (b, h), ascending.
+struct TopKIntervalsParams {
+  TopKPrefixParams scan;           // B, L, H, k (1 <= k < L, k <= kTopKMaxK), scores, start and the scans'
+                                   // workspace; block_prefix is an output here (KeyIntervals::prefix);
+                                   // out, the block form and scans_only are set by the launcher
+  const int32_t* end = nullptr;    // (B, L) one past the last position of each position's sequence
+  int32_t* block_count = nullptr;  // workspace (B, H, top_k_blocks(L)): the keys entering in each block,
+                                   // then their exclusive scan along the row (the block's first slot)
+  int32_t* leave_at = nullptr;     // out (B, H, L): the leave of the key at each position, the position
+                                   // itself if it never enters
+  int32_t* count = nullptr;        // out (B, H): keys that enter, per row
+  int32_t* key = nullptr;          // out (B, H, L): the entering keys ascending, -1 from count on
+  int32_t* leave = nullptr;        // out (B, H, L): their leaves, -1 from count on
+};
+void top_k_intervals_cuda(const TopKIntervalsParams& p, DType dtype, void* stream);
 
 // ---------------------------------------------------------------------------------------------
 // Merge: the union of two ascending lists per row, duplicates removed.
@@ -238,6 +260,16 @@ struct MergeListsParams {
   // (none when the second is below the first; ascending, at most Ka; keys as many as queries).
   const int32_t* band = nullptr;      // (2, B·H, L)
   const int32_t* band_pos = nullptr;  // (B·H, L)
+  // Optional, with block_count and q_order: b given as Key Selection's intervals with their CUDA
+  // extras (patterns::KeyIntervals, built with k = Kb <= 32; b is then unread). Row i of (b, h)
+  // lists, ascending, the positions of the entries of iv_prefix's list of i's block of kTopKBlock
+  // positions whose leave_at is past i (only when i's sequence starts before the block), then the
+  // positions j of the block from max(block start, iv_start[i]) to i with leave_at[j] > i: the
+  // k keys of Key Selection's list of i.
+  const int32_t* iv_leave_at = nullptr;  // (B·H, L) KeyIntervals::leave_at
+  const uint64_t* iv_prefix = nullptr;   // (B·H, top_k_blocks(L), Kb) KeyIntervals::prefix
+  const int32_t* iv_start = nullptr;     // (B, L) KeyIntervals::start
+  int64_t H = 0;                         // heads: row bh's sequence starts are those of b = bh / H
 };
 void merge_lists_cuda(const MergeListsParams& p, void* stream);
 

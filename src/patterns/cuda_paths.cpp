@@ -254,6 +254,42 @@ at::Tensor top_k_prefix_device(const at::Tensor& scores0, int64_t k, const at::T
   return idx;
 }
 
+KeyIntervals top_k_prefix_intervals_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq) {
+  const at::Tensor scores = scores0.detach().contiguous();
+  const at::Device dev = scores.device();
+  const int64_t B = scores.size(0), L = scores.size(1), H = scores.size(2);
+  const int64_t nblk = top_k_blocks(L), nsup = top_k_supers(L);
+  HAX_CHECK(k >= 1 && k < L && k <= kTopKMaxK, "top_k_prefix_intervals: k = {} must be in [1, L - 1 = {}] and at most {}",
+            k, L - 1, kTopKMaxK);
+  const SequenceBounds bounds = sequence_bounds_device(seq, B, L, dev);
+  KeyIntervals iv;
+  iv.k = k;
+  iv.count = ops::new_output({B, H}, int32_on(dev));
+  iv.key = ops::new_output({B, H, L}, int32_on(dev));
+  iv.leave = ops::new_output({B, H, L}, int32_on(dev));
+  iv.leave_at = ops::new_output({B, H, L}, int32_on(dev));
+  iv.prefix = ops::new_output({B, H, nblk, k}, at::TensorOptions().dtype(at::kLong).device(dev));
+  iv.start = bounds.start;
+  if (B * H == 0) return iv;
+  // Workspace: block_top (B·H·nblk·k), super_top and super_prefix (B·H·nsup·k each), then the
+  // blocks' counts (B·H·nblk int32 in int64 words).
+  const int64_t lists_blk = B * H * nblk * k, lists_sup = B * H * nsup * k;
+  const at::Tensor work =
+      at::empty({lists_blk + 2 * lists_sup + (B * H * nblk + 1) / 2}, at::TensorOptions().dtype(at::kLong).device(dev));
+  uint64_t* w = (uint64_t*)work.data_ptr<int64_t>();
+  TopKIntervalsParams p;
+  p.scan.B = B, p.scan.L = L, p.scan.H = H, p.scan.k = k;
+  p.scan.scores = scores.data_ptr(), p.scan.start = bounds.start.data_ptr<int32_t>();
+  p.scan.block_top = w, p.scan.super_top = w + lists_blk, p.scan.super_prefix = w + lists_blk + lists_sup;
+  p.scan.block_prefix = (uint64_t*)iv.prefix.data_ptr<int64_t>();
+  p.end = bounds.end.data_ptr<int32_t>();
+  p.block_count = (int32_t*)(w + lists_blk + 2 * lists_sup);
+  p.leave_at = iv.leave_at.data_ptr<int32_t>();
+  p.count = iv.count.data_ptr<int32_t>(), p.key = iv.key.data_ptr<int32_t>(), p.leave = iv.leave.data_ptr<int32_t>();
+  top_k_intervals_cuda(p, ops::kernel_dtype(scores), stream_of(scores));
+  return iv;
+}
+
 ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores0, int64_t k, const at::Tensor& seq,
                                            const LshBand* exclude) {
   const at::Tensor scores = scores0.detach().contiguous();
@@ -339,6 +375,21 @@ at::Tensor merge_overflow_band_device(const at::Tensor& band0, const at::Tensor&
   auto [out, p] = overflow_merge_setup(B, H, L, Ka, Kb, q_order, block_count, b.device());
   p.b = b.data_ptr<int32_t>();
   p.band = band.data_ptr<int32_t>(), p.band_pos = band_pos.data_ptr<int32_t>();
+  merge_lists_cuda(p, stream_of(out));
+  return out;
+}
+
+at::Tensor merge_overflow_intervals_device(const at::Tensor& band0, const at::Tensor& band_pos0, int64_t Ka,
+                                           const KeyIntervals& b, const at::Tensor& q_order0,
+                                           const at::Tensor& block_count0) {
+  const at::Tensor band = band0.narrow(0, 0, 2).contiguous(), band_pos = band_pos0.contiguous();
+  const at::Tensor q_order = q_order0.contiguous(), block_count = block_count0.contiguous();
+  const at::Tensor leave_at = b.leave_at.contiguous(), prefix = b.prefix.contiguous(), start = b.start.contiguous();
+  const int64_t B = leave_at.size(0), H = leave_at.size(1), L = leave_at.size(2);
+  auto [out, p] = overflow_merge_setup(B, H, L, Ka, b.k, q_order, block_count, leave_at.device());
+  p.band = band.data_ptr<int32_t>(), p.band_pos = band_pos.data_ptr<int32_t>();
+  p.iv_leave_at = leave_at.data_ptr<int32_t>(), p.iv_prefix = (const uint64_t*)prefix.data_ptr<int64_t>();
+  p.iv_start = start.data_ptr<int32_t>(), p.H = H;
   merge_lists_cuda(p, stream_of(out));
   return out;
 }
@@ -460,6 +511,11 @@ at::Tensor merge_overflow_band_device(const at::Tensor&, const at::Tensor&, int6
                                       const at::Tensor&, const at::Tensor&) {
   no_kernels();
 }
+at::Tensor merge_overflow_intervals_device(const at::Tensor&, const at::Tensor&, int64_t, const KeyIntervals&,
+                                           const at::Tensor&, const at::Tensor&) {
+  no_kernels();
+}
+KeyIntervals top_k_prefix_intervals_device(const at::Tensor&, int64_t, const at::Tensor&) { no_kernels(); }
 ChunkLayout chunk_layout_device(int64_t, int64_t, int64_t, const at::Tensor&, const at::Device&) { no_kernels(); }
 at::Tensor top_k_chunks_device(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   no_kernels();

@@ -56,6 +56,11 @@ at::Tensor top_k_prefix_device(const at::Tensor& scores, int64_t k, const at::Te
 ops::TileBlocks top_k_prefix_blocks_device(const at::Tensor& scores, int64_t k, const at::Tensor& seq,
                                            const LshBand* exclude);
 
+// top_k_prefix_intervals of scores (B, L, H) (float32 or bfloat16), 1 <= k < L, k <= kTopKMaxK:
+// count, key and leave (M = L), k and the extras (leave_at, prefix, start) on its device, with no
+// host synchronization (top_k_intervals.cu).
+KeyIntervals top_k_prefix_intervals_device(const at::Tensor& scores, int64_t k, const at::Tensor& seq);
+
 // merge's lists: the union of a (B, H, L, Ka) and b (B, H, L, Kb) int32, on a's device.
 at::Tensor merge_device(const at::Tensor& a, const at::Tensor& b);
 // merge_overflow_rows's lists on a's device (q_order (B, H, L) or undefined, block_count (B, H, nblk)).
@@ -64,6 +69,12 @@ at::Tensor merge_overflow_device(const at::Tensor& a, const at::Tensor& b, const
 // The same with a as a band (merge_overflow_rows's band form): band (2+, B, H, L), band_pos (B, H, L).
 at::Tensor merge_overflow_band_device(const at::Tensor& band, const at::Tensor& band_pos, int64_t Ka,
                                       const at::Tensor& b, const at::Tensor& q_order, const at::Tensor& block_count);
+
+// The same with b as Key Selection's intervals with their extras (merge_overflow_rows's intervals
+// form, Kb = b.k): row i's b list is computed from b.leave_at, b.prefix and b.start.
+at::Tensor merge_overflow_intervals_device(const at::Tensor& band, const at::Tensor& band_pos, int64_t Ka,
+                                           const KeyIntervals& b, const at::Tensor& q_order,
+                                           const at::Tensor& block_count);
 
 // chunk_layout on `device`.
 ChunkLayout chunk_layout_device(int64_t B, int64_t L, int64_t chunk, const at::Tensor& seq, const at::Device& device);

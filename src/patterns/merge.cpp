@@ -65,6 +65,46 @@ at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyLists& b, 
   return detail::merge_overflow_band_device(a.band, a.k_order, Ka, b.idx, a.q_order, block_count);
 }
 
+at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyIntervals& b, const at::Tensor& block_count) {
+  constexpr const char* kOp = "merge_overflow_rows (intervals)";
+  HAX_CHECK(Ka > 0 && Ka <= 32, "{}: Ka = {} must be in [1, 32] (a band's keys per query, one a lane)", kOp, Ka);
+  HAX_CHECK(b.k >= 1 && b.k <= 32,
+            "{}: b.k = {} must be in [1, 32] (Kb = b.k: a row's Key Selection keys, one a lane); for a larger k merge "
+            "top_k_prefix's lists (the KeyLists form)",
+            kOp, b.k);
+  // The extras: only top_k_prefix_intervals on CUDA scores (k < L, k <= kTopKMaxK) gives them.
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"b.leave_at", b.leave_at},
+                                {"b.prefix", b.prefix}, {"b.start", b.start}})
+    HAX_CHECK(t.defined(),
+              "{}: {} is undefined; the intervals must come from top_k_prefix_intervals on CUDA scores with k < L and "
+              "k <= {} (their CUDA extras leave_at, prefix and start)",
+              kOp, name, kTopKMaxK);
+  ops::check_rank(kOp, "b.leave_at", b.leave_at, 3, "(B, H, L)");
+  const int64_t B = b.leave_at.size(0), H = b.leave_at.size(1), L = b.leave_at.size(2);
+  HAX_CHECK(b.leave_at.is_cuda(), "{}: b.leave_at is on {}; the rows of overflowing tile blocks exist on CUDA only", kOp,
+            b.leave_at.device().str());
+  ops::check_backend(kOp, "b.leave_at", b.leave_at);
+  const at::Device dev = b.leave_at.device();
+  ops::check_shape(kOp, "b.prefix", b.prefix, {B, H, ops::attention_tile_blocks(L), b.k},
+                   "(B, H, ceil(L / 64), k) with b.leave_at's (B, H, L) and k = b.k");
+  ops::check_shape(kOp, "b.start", b.start, {B, L}, "(B, L) with b.leave_at's B and L");
+  const std::vector<int64_t> rows{B, H, L};
+  HAX_CHECK(a.band.dim() == 4 && a.band.size(0) >= 2 && a.band.sizes().slice(1).vec() == rows,
+            "{}: a.band has shape {}, expected (2 or more, {}, {}, {}) with b.leave_at's (B, H, L)", kOp,
+            ops::shape_str(a.band.sizes()), B, H, L);
+  ops::check_shape(kOp, "a.k_order", a.k_order, rows, "(B, H, L)");
+  ops::check_shape(kOp, "a.q_order", a.q_order, rows, "(B, H, L)");
+  ops::check_shape(kOp, "block_count", block_count, {B, H, ops::attention_tile_blocks(L)}, "(B, H, ceil(L / 64))");
+  HAX_CHECK(b.prefix.scalar_type() == at::kLong && b.prefix.device() == dev, "{}: b.prefix must be int64 on {} (got {} on {})",
+            kOp, dev.str(), c10::toString(b.prefix.scalar_type()), b.prefix.device().str());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"b.leave_at", b.leave_at},
+                                {"b.start", b.start}, {"a.band", a.band}, {"a.k_order", a.k_order},
+                                {"a.q_order", a.q_order}, {"block_count", block_count}})
+    HAX_CHECK(t.scalar_type() == at::kInt && t.device() == dev, "{}: {} must be int32 on {} (got {} on {})", kOp, name,
+              dev.str(), c10::toString(t.scalar_type()), t.device().str());
+  return detail::merge_overflow_intervals_device(a.band, a.k_order, Ka, b, a.q_order, block_count);
+}
+
 KeyLists merge(const KeyLists& a, const KeyLists& b) {
   constexpr const char* kOp = "merge";
   check_pair(kOp, a, b);

@@ -92,13 +92,22 @@ KeyLists top_k_prefix(const at::Tensor& scores, int64_t k, const at::Tensor& seq
 // position and, once it leaves, never returns, so query i's list of top_k_prefix is exactly
 // {key[t] : key[t] <= i < leave[t]} over its row's entries. Few keys ever enter (about
 // k (1 + ln(L / k)) for random scores), so the pattern takes O(that) memory where the lists take
-// O(L k): the form a tile plan could read instead of hashing every list entry (BENCHMARKS.md,
-// thirty-third pass). CPU (the reference for such a plan); the tensors are put on scores' device.
+// O(L k): the form HAX's tile plan reads instead of hashing every list entry
+// (ops::sparse_attention_union_band_intervals). CUDA scores with k < L and k <= kTopKMaxK: built
+// by the kernels of patterns/cuda/top_k_intervals.cu, with M = L (no host synchronization) and the
+// extras below, which merge_overflow_rows reads for the rows of blocks that overflow; otherwise
+// the CPU loop (the definition), its tensors put on scores' device, the extras undefined.
 struct KeyIntervals {
   at::Tensor count;  // (B, H) int32: entries of each row
   at::Tensor key;    // (B, H, M) int32: the keys that ever enter, ascending, -1 padded (M: the largest count)
   at::Tensor leave;  // (B, H, M) int32: the first query position whose set no longer holds key[t]
                      // (its sequence's end if none), -1 padded
+  int64_t k = 0;     // the k they were built for
+  // CUDA only (undefined from the CPU loop):
+  at::Tensor leave_at;  // (B, H, L) int32: the leave of the key at each position; the position itself if it never enters
+  at::Tensor prefix;    // (B, H, ceil(L / 64), k) int64: the top k of each block of 64 positions' prefix (the
+                        // query before the block, in its sequence), as TopKPrefixParams::block_prefix
+  at::Tensor start;     // (B, L) int32: the start of each position's sequence
 };
 KeyIntervals top_k_prefix_intervals(const at::Tensor& scores, int64_t k, const at::Tensor& seq_idx);
 
@@ -134,6 +143,10 @@ at::Tensor merge_overflow_rows(const KeyLists& a, const KeyLists& b, const at::T
 // The same with a given as an LSH band (ops::sparse_attention_union_band) of at most Ka keys a
 // query, in the band's query order; Ka and b's K at most 32. CUDA only.
 at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyLists& b, const at::Tensor& block_count);
+// The same with b given as Key Selection's intervals from CUDA scores (their extras defined;
+// Kb = b.k <= 32): a row's Key Selection keys are its block prefix's keys and its own block's
+// positions up to it whose leave_at is past it, ascending (ops::sparse_attention_union_band_intervals).
+at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyIntervals& b, const at::Tensor& block_count);
 
 // The keys of a's lists that are not in b's, for each query (ascending, -1 padded, Ka slots);
 // q_order is a's. With merge: merge(a, b) lists what b and exclude(a, b) list together, and the

@@ -155,8 +155,16 @@ KeyIntervals top_k_prefix_intervals(const at::Tensor& scores0, int64_t k, const 
   constexpr const char* kOp = "top_k_prefix_intervals";
   check_top_k_inputs(kOp, scores0, k);
   const int64_t B = scores0.size(0), L = scores0.size(1), H = scores0.size(2);
+  // CUDA scores: the kernels of patterns/cuda/top_k_intervals.cu (with the extras), save for the k
+  // they do not take, which the CPU loop below serves (its tensors then move to the device).
+  if (scores0.is_cuda() && k < L && k <= kTopKMaxK) {
+    const at::Tensor seq = ops::check_seq_idx(kOp, detail::on(seq_idx, scores0.device()), B, L);
+    return detail::top_k_prefix_intervals_device(scores0, k, seq);
+  }
   const at::Tensor seq = detail::on(ops::check_seq_idx(kOp, seq_idx, B, L), at::kCPU);
-  const at::Tensor scores = scores0.detach().to(at::kCPU).contiguous();
+  // (bfloat16 CUDA scores: their float32 values, exactly.)
+  const at::Tensor scores =
+      scores0.detach().to(at::kCPU, scores0.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
   std::vector<std::vector<std::pair<int32_t, int32_t>>> rows(B * H);
   if (scores.scalar_type() == at::kDouble)
     top_k_intervals_kernel<double>(scores, k, seq, rows);
@@ -178,7 +186,9 @@ KeyIntervals top_k_prefix_intervals(const at::Tensor& scores0, int64_t k, const 
       for (size_t t = 0; t < r.size(); ++t) kk[b][h][t] = r[t].first, lv[b][h][t] = r[t].second;
     }
   const at::Device dev = scores0.device();
-  return {detail::on(iv.count, dev), detail::on(iv.key, dev), detail::on(iv.leave, dev)};
+  iv.count = detail::on(iv.count, dev), iv.key = detail::on(iv.key, dev), iv.leave = detail::on(iv.leave, dev);
+  iv.k = k;
+  return iv;
 }
 
 }  // namespace hax::patterns

@@ -10,7 +10,12 @@
 // merge_small_kernel does the same for Ka, Kb <= 32 with a row's entries one per lane in
 // registers, the next row's loads in flight during the merge. Rows too long for the warps' shared
 // memory merge straight from global memory, thread per row (merge_direct_kernel, the CPU's loop).
+// merge_overflow_kernel merges only the rows of the tile plan's overflowing blocks; its a may be an
+// LSH band and its b Key Selection's intervals (interval_row: the row's list computed from them).
+#include <climits>
+
 #include "patterns/cuda/list_utils.cuh"
+#include "patterns/cuda/top_k_keys.cuh"
 
 namespace hax::patterns {
 namespace {
@@ -143,6 +148,48 @@ __global__ void merge_small_kernel(MergeListsParams p) {
   }
 }
 
+// Row `row` (= bh·L + i) of b when b is Key Selection's intervals (MergeListsParams::iv_leave_at),
+// for merge_small_row: lane t's return is the t-th key of i's list (ascending, -1 from its length
+// on). The list: the keys of i's block prefix (the top k of query t0 - 1, t0 = i's block start,
+// when i's sequence starts before t0) still held at i (leave_at > i), sorted by position (lane t
+// holds prefix entry t and counts the held entries of smaller position by shuffles), then the
+// positions j of [max(t0, start), i] with leave_at[j] > i (two per lane, compacted by ballots),
+// which are larger. It is built in tb (the warp's Kb slots for b's row; at most Kb = k keys).
+__device__ __forceinline__ int32_t interval_row(const MergeListsParams& p, int64_t row, int32_t* tb, int lane) {
+  const int Kb = (int)p.Kb;
+  const int64_t bh = row / p.L, i = row - bh * p.L, b = bh / p.H;
+  const int64_t blk = i / kTopKBlock, t0 = blk * kTopKBlock, nblk = top_k_blocks(p.L);
+  const int64_t s = p.iv_start[b * p.L + i];
+  const int32_t* leave_at = p.iv_leave_at + bh * p.L;
+  int32_t pp = INT_MAX;
+  bool held = false;
+  if (s < t0 && lane < Kb) {  // (warp-uniform condition)
+    const uint64_t e = p.iv_prefix[(bh * nblk + blk) * Kb + lane];
+    if (e != 0) pp = key_pos(e), held = leave_at[pp] > i;
+  }
+  int rank = 0;  // held prefix entries of smaller position
+  for (int src = 0; src < 32; ++src) {
+    const int32_t o = __shfl_sync(dev::kFullMask, held ? pp : INT_MAX, src);
+    rank += o < pp;
+  }
+  int n = __popc(__ballot_sync(dev::kFullMask, held));
+  if (held && rank < Kb) tb[rank] = pp;
+  const int64_t lo = s > t0 ? s : t0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = lo + lane + 32 * r;
+    const bool on = j <= i && leave_at[j] > i;
+    const unsigned m = __ballot_sync(dev::kFullMask, on);
+    const int at = n + __popc(m & ((1u << lane) - 1));
+    if (on && at < Kb) tb[at] = (int32_t)j;
+    n += __popc(m);
+  }
+  __syncwarp();
+  const int32_t v = lane < n && lane < Kb ? tb[lane] : -1;
+  __syncwarp();  // every lane has read tb before merge_small_row stores b's row there
+  return v;
+}
+
 // merge_small_kernel over the rows of the overflowing blocks only (p.block_count set): a warp
 // takes 32 ranks at a time, each lane finds its rank's row (one coalesced load of the counts and
 // of q_order for the 32), and the warp merges the rows its ballot marks, one after another. Where
@@ -166,7 +213,9 @@ __global__ void merge_overflow_kernel(MergeListsParams p) {
       } else if (lane < Ka) {
         ca = p.a[cur * Ka + lane];
       }
-      const int32_t cb = lane < Kb ? p.b[cur * Kb + lane] : -1;
+      int32_t cb = -1;
+      if (p.iv_leave_at) cb = interval_row(p, cur, ta + Ka, lane);
+      else if (lane < Kb) cb = p.b[cur * Kb + lane];
       merge_small_row(ca, cb, Ka, Kb, ta, ta + Ka, ta + K, p.out + cur * K, lane);
     }
   }
@@ -183,6 +232,10 @@ void merge_lists_cuda(const MergeListsParams& p, void* stream) {
     throw std::runtime_error("merge: the merge of the overflowing blocks' rows needs Ka, Kb <= 32, L and block > 0");
   if (p.band && (!p.block_count || !p.q_order || !p.band_pos))
     throw std::runtime_error("merge: a band needs block_count, q_order and band_pos (the overflowing rows' merge)");
+  if (p.iv_leave_at && (!p.block_count || !p.q_order || !p.iv_prefix || !p.iv_start || p.H <= 0 || p.Kb < 1))
+    throw std::runtime_error(
+        "merge: intervals need block_count, q_order, iv_prefix, iv_start, H > 0 and Kb >= 1 (the overflowing rows' "
+        "merge)");
   if (p.block_count) {
     const int64_t chunks = (p.rows + 31) / 32;
     merge_overflow_kernel<<<dev::grid_for(chunks, kMergeWarps), kMergeWarps * 32, kMergeWarps * warp_bytes, st>>>(p);

@@ -23,6 +23,8 @@
 //                        least key (a warp min); a sequence start clears the selection. The list is
 //                        the selected candidates in U order (= ascending positions), compacted by
 //                        ballots; -1 after.
+// With TopKPrefixParams::scans_only the kernels stop after block_prefix (no lists, no block form):
+// the scans that top_k_intervals.cu's Key Selection intervals read.
 // The scans merge in shared memory (three k-lists per warp); for k <= 64 the scans and the query
 // kernel keep their lists in registers instead (one or two per lane: the *_small kernels).
 // Block form (TopKPrefixParams::plan_count set; ops/attention/blocks.h): the query kernels keep
@@ -38,6 +40,7 @@
 
 #include "ops/attention/params.h"
 #include "patterns/cuda/list_utils.cuh"
+#include "patterns/cuda/top_k_keys.cuh"
 
 namespace hax::patterns {
 namespace {
@@ -46,16 +49,6 @@ using ops::cuda::to_f32;
 static_assert(kTopKBlock == 64, "block_top ranks two candidates per lane");
 static_assert(kTopKBlock == ops::kAttentionTileQueries, "a top-k block is a block of the attention plan");
 static_assert(kTopKPlanMaxK + kTopKBlock == ops::kAttentionTileMaxKeys, "the block form's union must fit the plan");
-
-// The comparison key of a score at position pos (larger = better; see TopKPrefixParams).
-__device__ __forceinline__ uint64_t score_key(float v, int64_t pos) {
-  if (isnan(v)) v = -INFINITY;
-  if (v == 0.f) v = 0.f;  // -0 ties with +0
-  uint32_t u = __float_as_uint(v);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return ((uint64_t)u << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)pos);
-}
-__device__ __forceinline__ int32_t key_pos(uint64_t key) { return (int32_t)(0xFFFFFFFFu - (uint32_t)key); }
 
 template <class T>
 __device__ __forceinline__ uint64_t key_at(const TopKPrefixParams& p, int64_t b, int64_t h, int64_t pos) {
@@ -83,17 +76,6 @@ __device__ __forceinline__ bool super_resets(const TopKPrefixParams& p, int64_t 
   block_range(p, b0, t0, t1);
   block_range(p, b1 - 1, u0, u1);
   return range_resets(p.start + b * p.L, t0, u1);
-}
-
-// Entries of the descending, 0-padded list a[0..k) greater than x.
-__device__ __forceinline__ int64_t count_greater(const uint64_t* a, int64_t k, uint64_t x) {
-  int64_t lo = 0, hi = k;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (a[mid] > x) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
 }
 
 // out = the top k of lists a and b (disjoint positions), all three of k entries, out apart from
@@ -706,6 +688,7 @@ void launch(const TopKPrefixParams& p, cudaStream_t st) {
     ops::cuda::check_launch("top_k_prefix (super prefix)");
     block_prefix_small_kernel<R><<<dev::grid_for(BH * nsup, 4), t, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (block prefix)");
+    if (p.scans_only) return;
     query_small_kernel<T, kPlan, R><<<dev::grid_for(BH * nblk, kQueryWarps), kQueryWarps * 32, 0, st>>>(p);
     ops::cuda::check_launch("top_k_prefix (queries)");
   };
@@ -721,6 +704,7 @@ void launch(const TopKPrefixParams& p, cudaStream_t st) {
   warps = warps_for(block_prefix_kernel, scan_smem);
   block_prefix_kernel<<<dev::grid_for(BH * nsup, warps), warps * 32, warps * scan_smem, st>>>(p, scan_smem);
   ops::cuda::check_launch("top_k_prefix (block prefix)");
+  if (p.scans_only) return;
 
   const int64_t query_smem = query_smem_per_warp(p.k, kPlan);
   warps = warps_for(query_kernel<T, kPlan>, query_smem);
@@ -739,8 +723,10 @@ void top_k_prefix_cuda(const TopKPrefixParams& p, DType dtype, void* stream) {
   if (p.plan_count && p.k > kTopKPlanMaxK)
     throw std::runtime_error("top_k_prefix_cuda: k = " + std::to_string(p.k) + " must be at most " +
                              std::to_string(kTopKPlanMaxK) + " for the block form");
+  if (!p.scans_only && !p.out && !p.plan_count)
+    throw std::runtime_error("top_k_prefix_cuda: needs out (lists), plan_count (the block form) or scans_only");
   HAX_DISPATCH_DTYPE(dtype, [&] {
-    if (p.plan_count) launch<scalar_t, true>(p, (cudaStream_t)stream);
+    if (p.plan_count && !p.scans_only) launch<scalar_t, true>(p, (cudaStream_t)stream);
     else launch<scalar_t, false>(p, (cudaStream_t)stream);
   });
 }
