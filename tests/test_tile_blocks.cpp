@@ -422,6 +422,24 @@ OpCase union_band_case(const std::string& name, const pat::LshBand& band, int64_
   });
 }
 
+// sparse_attention_union_band_intervals over a band (as union_band_case) and Key Selection's
+// intervals of `scores` (k keys a query; built on the GPU from the scores), with
+// patterns::merge_overflow_rows's interval form for the blocks that overflow, against the dense
+// reference over merge(a, top_k_prefix(scores)).
+OpCase union_band_intervals_case(const std::string& name, const pat::LshBand& band, int64_t Ka, const pat::KeyLists& a,
+                                 const at::Tensor& scores, int64_t k, const at::Tensor& seq, int64_t D) {
+  const pat::KeyLists ks = pat::top_k_prefix(scores, k, seq);
+  return union_frame(name, pat::merge(a, ks), ks.idx.size(2), D, Ka, k, [=](const Tensors& in, double scale) {
+    const at::Device dev = in[0].device();
+    const pat::LshBand g{band.q_order.to(dev), band.k_order.to(dev), band.band.to(dev)};
+    const pat::KeyIntervals iv = pat::top_k_prefix_intervals(scores.to(dev), k, seq.defined() ? seq.to(dev) : seq);
+    const auto merge_overflow = [&](const at::Tensor& count) { return pat::merge_overflow_rows(g, Ka, iv, count); };
+    return std::get<0>(hax::ops::sparse_attention_union_band_intervals(in[0], in[1], in[2], g.band, g.k_order, Ka,
+                                                                       iv.count, iv.key, iv.leave, k, g.q_order, scale,
+                                                                       merge_overflow));
+  });
+}
+
 // A synthetic band over L keys in nb buckets (sorted by (bucket, position)) for a random query
 // order, and the lists it stands for. Query blocks (64 ranks) take turns: `near` (every band of
 // the block in one bucket, starts within 16 sorted keys: the bitmap path, fits), `apart` (two
@@ -594,6 +612,90 @@ TEST(TileBlocksCuda, UnionWithBandMatchesMergedLists) {
       SCOPED_TRACE(c.name);
       expect_union_band_close(c);
     }
+}
+
+// HAX's plan with Key Selection as intervals (sparse_attention_union_band_intervals): LSH's band
+// beside the intervals of random scores (awkward sizes, packed rows) and of rising scores (each
+// query's keys are its k latest: blocks of far-apart queries overflow, and their rows come from
+// the intervals' merge), synthetic bands (bitmap, past its span, overflowing) beside random and
+// rising scores, and rows of more than 4096 intervals (rising scores over 4200 keys: the blocks of
+// late queries pass the plan's scan of candidates and overflow). Against the dense float64
+// reference over the merged lists, in bfloat16, with both forms of the key sums; then the op's
+// checks.
+TEST(TileBlocksCuda, UnionWithBandAndIntervalsMatchesMergedLists) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(108);
+  auto rising = [](int64_t B, int64_t L, int64_t H) {
+    return (at::arange(L, at::kFloat).view({1, L, 1}) + 0.1 * at::rand({B, L, H})).contiguous();
+  };
+  for (const BlockCase& s : kHaxCases) {
+    if (s.K > 32 || s.K >= s.L) continue;
+    for (bool rise : {false, true}) {
+      const at::Tensor seq = s.packed ? random_packing(s.B, s.L, 0.02) : at::Tensor();
+      const at::Tensor hq = at::randn({s.B, s.L, s.H, 16}), hk = at::randn({s.B, s.L, s.H, 16});
+      const at::Tensor proj = pat::lsh_projection(16, 3, 6);
+      const pat::KeyLists lsh = pat::lsh(hq, hk, s.K, proj, pat::Binning::kSign, seq);
+      const pat::LshBand band = pat::lsh_band(hq, hk, s.K, proj, pat::Binning::kSign, seq);
+      const at::Tensor scores = rise ? rising(s.B, s.L, s.H) : at::randn({s.B, s.L, s.H});
+      const OpCase c = union_band_intervals_case("hax intervals B" + std::to_string(s.B) + " L" + std::to_string(s.L) +
+                                                     " K" + std::to_string(s.K) + (s.packed ? " packed" : "") +
+                                                     (rise ? " rising" : ""),
+                                                 band, s.K, lsh, scores, s.K, seq, s.D);
+      SCOPED_TRACE(c.name);
+      expect_union_band_close(c);
+    }
+  }
+  for (int64_t Ka : {32, 13, 1})
+    for (bool rise : {false, true}) {
+      const int64_t B = 1, H = 2, L = 3000;
+      const auto [band, a] = synthetic_band(B, H, L, Ka, 4);
+      const at::Tensor scores = rise ? rising(B, L, H) : at::randn({B, L, H});
+      const OpCase c = union_band_intervals_case(
+          "synthetic intervals Ka " + std::to_string(Ka) + (rise ? " rising" : ""), band, Ka, a, scores, 16, {}, 64);
+      SCOPED_TRACE(c.name);
+      expect_union_band_close(c);
+    }
+  {
+    const int64_t B = 1, H = 1, L = 4200;
+    const auto [band, a] = synthetic_band(B, H, L, 8, 4);
+    const OpCase c = union_band_intervals_case("more than 4096 intervals", band, 8, a, rising(B, L, H), 4, {}, 32);
+    SCOPED_TRACE(c.name);
+    expect_union_band_close(c);
+  }
+  // Checks: intervals of another shape, dtype or device; a count past M (value checks on).
+  const at::Device cuda(at::kCUDA, 0);
+  const int64_t B = 1, H = 2, L = 97;
+  const auto o = at::TensorOptions().dtype(at::kBFloat16).device(cuda);
+  const at::Tensor q = at::randn({B, L, H, 32}, o), kv = at::randn({B, L, H, 32}, o);
+  const pat::LshBand band = pat::lsh_band(q, q, 8, pat::lsh_projection(32, 3, 1).to(cuda), pat::Binning::kSign, {});
+  const pat::KeyIntervals iv = pat::top_k_prefix_intervals(at::randn({B, L, H}, o), 8, {});
+  const auto none = [](const at::Tensor&) -> at::Tensor { ADD_FAILURE() << "no merge expected"; return {}; };
+  auto run = [&](const at::Tensor& count, const at::Tensor& key, const at::Tensor& leave) {
+    hax::ops::sparse_attention_union_band_intervals(q, kv, kv, band.band, band.k_order, 8, count, key, leave, 8,
+                                                    band.q_order, 1.0, none);
+  };
+  expect_usage_error([&] { run(iv.count.view({B * H}), iv.key, iv.leave); }, "iv_count has shape");
+  expect_usage_error([&] { run(iv.count, iv.key, iv.leave.narrow(2, 0, 5)); }, "iv_leave has shape");
+  expect_usage_error([&] { run(iv.count, iv.key.to(at::kLong), iv.leave); }, "iv_key must be int32");
+  expect_usage_error([&] { run(iv.count.cpu(), iv.key, iv.leave); }, "iv_count must be int32 on cuda:0");
+  hax::ops::set_check_device_values(true);
+  expect_usage_error([&] { run(iv.count + (int32_t)L + 1, iv.key, iv.leave); }, "iv_count holds a count outside");
+  hax::ops::set_check_device_values(false);
+}
+
+// A small instance of the interval plan (blocks that fit, blocks that overflow through rising
+// scores' intervals), with the value checks on, quick enough for compute-sanitizer; at head dims
+// 32 and 30 (the key sums' row kernel four entries at a time, and one).
+TEST(TileBlocksCuda, UnionBandIntervalsSmallInstance) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(109);
+  hax::ops::set_check_device_values(true);
+  const auto [band, a] = synthetic_band(1, 1, 300, 8, 3);
+  const at::Tensor scores = at::cat({at::randn({1, 150, 1}), at::arange(150, at::kFloat).view({1, 150, 1}) + 10}, 1);
+  for (int64_t D : {32, 30})
+    expect_union_band_close(union_band_intervals_case("small intervals union D " + std::to_string(D), band, 8, a,
+                                                      scores, 8, {}, D));
+  hax::ops::set_check_device_values(false);
 }
 
 // A small instance of the band's union path (blocks on the bitmap, past its span, overflowing),

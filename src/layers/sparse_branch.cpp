@@ -118,16 +118,28 @@ int lsh_band_mode() {
 }
 bool lsh_as_band(size_t parts) { return lsh_band_mode() < 0 ? parts == 1 : lsh_band_mode() == 1; }
 
+// A switch read from the environment at its first use: `name` unset is on; else it must be 0
+// (off: `off`) or 1 (on: `on`).
+bool env_switch(const char* name, const char* off, const char* on) {
+  const char* e = std::getenv(name);
+  if (!e) return true;
+  const std::string v(e);
+  HAX_CHECK(v == "0" || v == "1", "{} = '{}' must be 0 ({}) or 1 ({})", name, v, off, on);
+  return v == "1";
+}
+
+// HAX_KS_INTERVALS=0 gives HAX's plan (LSH's band with Key Selection) Key Selection's lists, as
+// before the interval form (for comparisons); unset or 1, the plan reads its intervals
+// (ops::sparse_attention_union_band_intervals) where they apply.
+bool ks_intervals() {
+  static const bool on = env_switch("HAX_KS_INTERVALS", "Key Selection's lists", "its intervals");
+  return on;
+}
+
 // HAX_A_SINK_KERNELS=0 runs A through its lists on the GPU too (for comparisons); unset or 1, A
 // takes ops::a_shaped_attention's fast path where it applies.
 bool a_sink_kernels() {
-  static const bool on = [] {
-    const char* e = std::getenv("HAX_A_SINK_KERNELS");
-    if (!e) return true;
-    const std::string v(e);
-    HAX_CHECK(v == "0" || v == "1", "HAX_A_SINK_KERNELS = '{}' must be 0 (A through lists) or 1 (the sink kernels)", v);
-    return v == "1";
-  }();
+  static const bool on = env_switch("HAX_A_SINK_KERNELS", "A through lists", "the sink kernels");
   return on;
 }
 
@@ -228,6 +240,25 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
   if (has_lsh && vh.is_cuda() && parts_.size() == 2 && !(ctx && ctx->record) && lsh_band_mode() < 0 &&
       keys_per_part_ <= 32 && ops::sparse_attention_union_native(q, vh, keys_per_part_, keys_per_part_)) {
     const patterns::LshBand band = lsh_band(q, k, seq_idx, ctx, /*key_side=*/false);
+    // HAX: Key Selection as intervals (no lists; the plan tests each block's few candidate
+    // intervals against its queries), where the GPU builds them (k < L).
+    if (has_ks && ks_intervals() && keys_per_part_ < L) {
+      patterns::KeyIntervals iv;
+      {
+        RECORD_USER_SCOPE("hax::ks_scores_and_intervals");
+        scores = scorer->forward(k, q, seq_idx);  // (B, L, H)
+        torch::NoGradGuard ng;
+        iv = patterns::top_k_prefix_intervals(scores.detach(), keys_per_part_, seq_idx);
+      }
+      if (scores_out) *scores_out = scores;
+      RECORD_USER_SCOPE("hax::sparse_attention");
+      const auto merge_overflow = [&](const at::Tensor& count) {
+        return patterns::merge_overflow_rows(band, keys_per_part_, iv, count);
+      };
+      return std::get<0>(ops::sparse_attention_union_band_intervals(q, k, vh, band.band, band.k_order, keys_per_part_,
+                                                                    iv.count, iv.key, iv.leave, keys_per_part_,
+                                                                    band.q_order, 1.0, merge_overflow));
+    }
     const std::vector<patterns::KeyLists> rest = part_lists(q, k, seq_idx, ctx, &scores, /*skip_lsh=*/true);
     if (scores_out) *scores_out = scores;
     const patterns::KeyLists& other = rest.at(0);  // (keys_per_part_ slots, position order)

@@ -193,7 +193,7 @@ AttentionParams make_params(const Inputs& in, double scale) {
   p.nseg = d.S, p.maxkeys = d.K;
   p.scale = scale;
   p.q = in.q.data_ptr(), p.k = in.k.data_ptr(), p.v = in.v.data_ptr();
-  p.idx = in.idx.data_ptr<int32_t>();
+  p.idx = in.idx.defined() ? in.idx.data_ptr<int32_t>() : nullptr;  // (undefined: a plan of intervals)
   p.bias = in.bias.defined() ? in.bias.data_ptr() : nullptr;
   p.seg_w = in.seg_w.defined() ? in.seg_w.data_ptr() : nullptr;
   p.q_order = in.q_order.defined() ? in.q_order.data_ptr<int32_t>() : nullptr;
@@ -226,7 +226,7 @@ struct TilePlan {
 // backward: a backward may follow (the key counts serve only it).
 TilePlan build_tile_plan(const Inputs& in, const AttentionParams& p, bool backward) {
   const int64_t blocks = in.d.B * in.d.H * attention_tile_blocks(in.d.L);
-  const auto i32 = in.idx.options();
+  const auto i32 = in.q.options().dtype(at::kInt);
   TilePlan plan;
   plan.count = at::empty({blocks + 1}, i32);  // (the last entry counts the blocks that overflow)
   plan.count.narrow(0, blocks, 1).zero_();
@@ -577,6 +577,36 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union(const at::Tensor& q, c
   return planned_union(kUnion, q, k, v, in, p, Ka + Kb, q_order, scale, merge_overflow);
 }
 
+namespace {
+
+// The band's checks of both band unions (band (2+, B, H, L), band_pos (B, H, Lk) int32 on q's
+// device; with the value checks on, their entries) and p's band fields; returns the contiguous
+// tensors p points into.
+std::pair<at::Tensor, at::Tensor> set_band(const char* op, AttentionParams& p, const Dims& d, const at::Tensor& q,
+                                           const at::Tensor& band, const at::Tensor& band_pos, int64_t Ka) {
+  check_rank(op, "band", band, 4, "(2 or more, B, H, L)");
+  HAX_CHECK(band.size(0) >= 2 && band.size(1) == d.B && band.size(2) == d.H && band.size(3) == d.L,
+            "{}: band has shape {}, expected (2 or more, B, H, L) = (2+, {}, {}, {})", op, shape_str(band.sizes()), d.B,
+            d.H, d.L);
+  check_shape(op, "band_pos", band_pos, {d.B, d.H, d.Lk}, "(B, H, Lk)");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"band", band}, {"band_pos", band_pos}})
+    HAX_CHECK(t.scalar_type() == at::kInt && t.device() == q.device(), "{}: {} must be int32 on {} (got {} on {})",
+              op, name, q.device().str(), c10::toString(t.scalar_type()), t.device().str());
+  const at::Tensor bnd = band.narrow(0, 0, 2).contiguous(), pos = band_pos.contiguous();
+  if (check_device_values()) {  // (reads device values: only while the checks are on)
+    const at::Tensor first = bnd[0], last = bnd[1], listed = last >= first;
+    const bool bad_band = (listed & ((first < 0) | (last >= d.Lk) | (last - first >= Ka))).any().item<bool>();
+    HAX_CHECK(!bad_band, "{}: a band row lists sorted keys outside [0, Lk = {}) or more than Ka = {} of them", op,
+              d.Lk, Ka);
+    HAX_CHECK(!((pos < 0) | (pos >= d.Lk)).any().item<bool>(), "{}: band_pos holds a position outside [0, Lk = {})",
+              op, d.Lk);
+  }
+  p.band = bnd.data_ptr<int32_t>(), p.band_pos = pos.data_ptr<int32_t>(), p.band_keys = Ka;
+  return {bnd, pos};
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, const at::Tensor& band,
                                                                const at::Tensor& band_pos, int64_t Ka,
@@ -594,26 +624,51 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor&
             kUnion, Ka + Kb, kAttentionPlanMaxStagedKeys, Ka, Kb);
   HAX_CHECK(q_order.defined(), "{}: q_order is needed (band rows are ranks in q_order)", kUnion);
   Inputs in = prepare(q, k, v, idx_b, {}, {}, q_order, scale);  // (checks q, k, v, idx_b, q_order)
-  const Dims& d = in.d;
-  check_rank(kUnion, "band", band, 4, "(2 or more, B, H, L)");
-  HAX_CHECK(band.size(0) >= 2 && band.size(1) == d.B && band.size(2) == d.H && band.size(3) == d.L,
-            "{}: band has shape {}, expected (2 or more, B, H, L) = (2+, {}, {}, {})", kUnion, shape_str(band.sizes()), d.B,
-            d.H, d.L);
-  check_shape(kUnion, "band_pos", band_pos, {d.B, d.H, d.Lk}, "(B, H, Lk)");
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"band", band}, {"band_pos", band_pos}})
+  AttentionParams p = make_params(in, scale);
+  const auto kept = set_band(kUnion, p, in.d, q, band, band_pos, Ka);
+  return planned_union(kUnion, q, k, v, in, p, Ka + Kb, q_order, scale, merge_overflow);
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band_intervals(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& band, const at::Tensor& band_pos,
+    int64_t Ka, const at::Tensor& iv_count, const at::Tensor& iv_key, const at::Tensor& iv_leave, int64_t Kb,
+    const at::Tensor& q_order, double scale, const MergeOverflow& merge_overflow) {
+  if (autocast_cast_needed({q, k, v}))
+    return sparse_attention_union_band_intervals(autocast_cast(q), autocast_cast(k), autocast_cast(v), band, band_pos,
+                                                 Ka, iv_count, iv_key, iv_leave, Kb, q_order, scale, merge_overflow);
+  constexpr const char* kUnion = "sparse_attention_union_band_intervals";
+  HAX_CHECK(sparse_attention_union_native(q, v, Ka, Kb),
+            "{}: needs the CUDA tile path (bfloat16 or autocast on CUDA, head dims <= 128, not deterministic) and "
+            "0 < Ka, Kb with Ka + Kb = {} <= {} (Ka = {}, Kb = {})",
+            kUnion, Ka + Kb, kAttentionPlanMaxStagedKeys, Ka, Kb);
+  HAX_CHECK(q_order.defined(), "{}: q_order is needed (band rows are ranks in q_order)", kUnion);
+  // The plan's inputs without lists: the shapes as for lists of Kb keys (a stand-in of no storage
+  // for check_inputs), q, k, v and q_order as prepare makes them.
+  check_rank(kUnion, "q", q, 4, "(B, L, H, D)");
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2);
+  const at::Tensor shape_only = at::empty({1}, q.options().dtype(at::kInt)).expand({B, H, L, Kb});
+  Inputs in;
+  in.d = check_inputs(q, k, v, shape_only, {}, {}, q_order, scale);
+  in.q = q.contiguous(), in.k = k.contiguous(), in.v = v.contiguous(), in.q_order = q_order.contiguous();
+  if (check_device_values()) check_permutation_cuda(in.q_order, in.d);
+  check_shape(kUnion, "iv_count", iv_count, {B, H}, "(B, H)");
+  check_rank(kUnion, "iv_key", iv_key, 3, "(B, H, M)");
+  HAX_CHECK(iv_key.size(0) == B && iv_key.size(1) == H, "{}: iv_key has shape {}, expected (B, H, M) = ({}, {}, M)",
+            kUnion, shape_str(iv_key.sizes()), B, H);
+  check_shape(kUnion, "iv_leave", iv_leave, iv_key.sizes().vec(), "iv_key's (B, H, M)");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"iv_count", iv_count}, {"iv_key", iv_key},
+                                {"iv_leave", iv_leave}})
     HAX_CHECK(t.scalar_type() == at::kInt && t.device() == q.device(), "{}: {} must be int32 on {} (got {} on {})",
               kUnion, name, q.device().str(), c10::toString(t.scalar_type()), t.device().str());
-  const at::Tensor bnd = band.narrow(0, 0, 2).contiguous(), pos = band_pos.contiguous();
-  if (check_device_values()) {  // (reads device values: only while the checks are on)
-    const at::Tensor first = bnd[0], last = bnd[1], listed = last >= first;
-    const bool bad_band = (listed & ((first < 0) | (last >= d.Lk) | (last - first >= Ka))).any().item<bool>();
-    HAX_CHECK(!bad_band, "{}: a band row lists sorted keys outside [0, Lk = {}) or more than Ka = {} of them", kUnion,
-              d.Lk, Ka);
-    HAX_CHECK(!((pos < 0) | (pos >= d.Lk)).any().item<bool>(), "{}: band_pos holds a position outside [0, Lk = {})",
-              kUnion, d.Lk);
-  }
+  const at::Tensor ic = iv_count.contiguous(), ik = iv_key.contiguous(), il = iv_leave.contiguous();
+  const int64_t M = ik.size(2);
+  if (check_device_values())  // (reads device values)
+    HAX_CHECK(!((ic < 0) | (ic > M)).any().item<bool>(), "{}: iv_count holds a count outside [0, M = {}]", kUnion, M);
   AttentionParams p = make_params(in, scale);
-  p.band = bnd.data_ptr<int32_t>(), p.band_pos = pos.data_ptr<int32_t>(), p.band_keys = Ka;
+  p.maxkeys = Kb;
+  const auto kept = set_band(kUnion, p, in.d, q, band, band_pos, Ka);
+  p.iv_count = ic.data_ptr<int32_t>(), p.iv_key = ik.data_ptr<int32_t>(), p.iv_leave = il.data_ptr<int32_t>();
+  p.iv_stride = M;
   return planned_union(kUnion, q, k, v, in, p, Ka + Kb, q_order, scale, merge_overflow);
 }
 

@@ -71,6 +71,19 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor&
                                                                const at::Tensor& idx_b, const at::Tensor& q_order,
                                                                double scale, const MergeOverflow& merge_overflow);
 
+// sparse_attention_union_band with list b given as Key Selection's intervals (patterns::
+// KeyIntervals, HAX without lists): the query at position i of row (b, h) lists every key
+// iv_key[b][h][t] with iv_key[b][h][t] <= i < iv_leave[b][h][t], t < iv_count[b][h], at most Kb of
+// them; iv_count (B, H), iv_key and iv_leave (B, H, M) int32 on q's device, keys ascending along a
+// row (trusted, as the band). The plan tests each block's candidate intervals against its queries
+// (params.h, AttentionParams::iv_key) instead of hashing Kb list entries a query. merge_overflow
+// as above, (B, H, L, Ka + Kb) (patterns::merge_overflow_rows's interval form). Needs
+// sparse_attention_union_native(q, v, Ka, Kb) (checked).
+std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band_intervals(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& band, const at::Tensor& band_pos,
+    int64_t Ka, const at::Tensor& iv_count, const at::Tensor& iv_key, const at::Tensor& iv_leave, int64_t Kb,
+    const at::Tensor& q_order, double scale, const MergeOverflow& merge_overflow);
+
 // Attention over the union of two disjoint key sets from the attention over each: with (o_s, lse_s)
 // the output and log-sum-exp of set s, softmax over the union = Σ_s exp(lse_s - lse) softmax over
 // s, so out = o_2 + sigmoid(lse_1 - lse_2) (o_1 - o_2). o1, o2: (B, L, H, Dv); lse1, lse2:

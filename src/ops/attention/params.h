@@ -64,6 +64,14 @@ struct AttentionParams {
   const int32_t* band = nullptr;      // (2, B, H, L): first and last sorted key of each ranked query
   const int32_t* band_pos = nullptr;  // (B, H, Lk) the key position of each sorted key
   int64_t band_keys = 0;
+  // CUDA tile plan only, with a band, instead of idx: Key Selection's keys as intervals
+  // (patterns::KeyIntervals): the query at position i of row (b, h) lists every key iv_key[bh][t]
+  // with iv_key[bh][t] <= i < iv_leave[bh][t], t < iv_count[bh]; keys ascend along a row. idx is
+  // then not read by the plan (the per-query kernels read the merged rows of blocks that overflow).
+  const int32_t* iv_count = nullptr;  // (B*H)
+  const int32_t* iv_key = nullptr;    // (B*H, iv_stride)
+  const int32_t* iv_leave = nullptr;  // (B*H, iv_stride)
+  int64_t iv_stride = 0;
 };
 
 // Raw-pointer parameters of the backward. On the CPU every gradient has the input dtype. On CUDA,

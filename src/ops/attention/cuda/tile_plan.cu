@@ -29,6 +29,16 @@
 // go through steps 1 and 3. (Listed, the band's keys cost 64 hash insertions and lookups per
 // query where a block's bands hold ~100 distinct keys.) A wider span takes the band's keys as
 // list entries, read from band_pos.
+// With Key Selection as intervals beside the band (AttentionParams::iv_key, kIntervals; HAX's
+// union without lists), a block takes its Key Selection keys from its row's intervals: those with
+// key <= the block's last query position (the keys ascend: a thread stops at the first past it)
+// whose leave is past its first are the candidates, and each thread tests one against the block's 64 query
+// positions (key <= i < leave), giving the 64-bit set of queries that hold it. A held candidate
+// goes into the hash set once (a band key already there keeps its rank) and is kept with its
+// query bits; step 3 then probes its rank once and sets one bit per holding query. Where the
+// block's intervals pass kMaxIntervalScan candidates or kMaxHeld held ones, it overflows (the
+// per-query kernels take it). On the bench's HAX at 64K a block has about 107 candidates, where its
+// lists had 2048 entries to stage, hash and look up (BENCHMARKS.md, thirty-third pass).
 // With a band and plan.key_uses, the plan also counts for each key the blocks whose union holds it
 // (AttentionTilePlan::key_uses): a block adds 1 for each key its hash set takes as new (list
 // entries, and a band's keys past the span) and, at its end if it did not overflow, for each of
@@ -64,13 +74,19 @@ constexpr int kSpan = (int)kAttentionPlanBandSpan;  // bits of the band bitmap
 constexpr size_t kStaticSmem =
     4 * (kHash + kU) + 2 * kHash + 8 * kQ + 8 * kQ + 8 * (kSpan / 32) + 8 * kTiles * kQ + 256;
 constexpr int kMaxStagedKeys = (int)kAttentionPlanMaxStagedKeys;  // K up to which the lists are staged (96 KB)
+// kIntervals: the most interval entries a block scans (keys up to its last query) and the most
+// held candidates it keeps; past either, the block overflows.
+constexpr int kMaxIntervalScan = 4096;
+constexpr int kMaxHeld = kU;
 
 // Slot of a key: the top 10 bits of a multiplicative hash.
 __device__ __forceinline__ int hash_slot(int32_t key) { return (int)(((uint32_t)key * 2654435761u) >> 22); }
 
-template <bool kStaged, bool kSorted, bool kBand>
+template <bool kStaged, bool kSorted, bool kBand, bool kIntervals>
 __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, AttentionTilePlan plan, int64_t nblk) {
-  static_assert(!kBand || (kStaged && !kSorted), "a band's plan stages its lists and is not sorted");
+  static_assert(!kBand || (kStaged != kIntervals && !kSorted),
+                "a band's plan stages its lists or reads intervals, and is not sorted");
+  static_assert(!kIntervals || kBand, "intervals join a band");
   __shared__ __align__(16) int32_t table[kHash];
   __shared__ int32_t keys[kU];
   __shared__ __align__(8) int16_t rank[kHash];  // rank[h]: the position of table[h] in the union (-1: not yet)
@@ -82,32 +98,51 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   __shared__ int32_t band_lo[kBand ? kQ : 1], band_len[kBand ? kQ : 1];
   __shared__ uint32_t cov[kBand ? kSpan / 32 : 1], cov_before[kBand ? kSpan / 32 : 1];
   __shared__ int span_lo, span_hi;
+  // kIntervals: the block's first and last query positions; the held candidates (key, the bits of
+  // the queries that hold it) and their number.
+  __shared__ int q_lo, q_hi;
+  __shared__ int32_t held_key[kIntervals ? kMaxHeld : 1];
+  __shared__ unsigned long long held_by[kIntervals ? kMaxHeld : 1];
+  __shared__ int n_held;
   __shared__ __align__(8) uint32_t smask[2 * kTiles * kQ];  // the plan's mask words (tile, query) as 32-bit halves
   extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists (with idx_b: a's, then b's)
   const int64_t bh = blockIdx.x / nblk, blk = blockIdx.x % nblk, L = p.seqlen;
-  const int64_t Ka = p.maxkeys, Kb = p.idx_b ? p.maxkeys_b : 0, K = Ka + Kb;  // (idx_b: staged only)
+  // (idx_b: staged only; with intervals no lists: K = 0)
+  const int64_t Ka = kIntervals ? 0 : p.maxkeys, Kb = p.idx_b ? p.maxkeys_b : 0, K = Ka + Kb;
   const int64_t r0 = blk * kQ;
   const int nq = (int)(L - r0 < kQ ? L - r0 : kQ), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t* order = p.q_order ? p.q_order + bh * L : nullptr;
-  const int32_t* idx = p.idx + bh * L * Ka;  // one segment: (L, Ka) per (b, h)
+  const int32_t* idx = kIntervals ? nullptr : p.idx + bh * L * Ka;  // one segment: (L, Ka) per (b, h)
   int32_t* staged = reinterpret_cast<int32_t*>(staged_u4);
-  if (kBand && threadIdx.x == 0) span_lo = INT_MAX, span_hi = INT_MIN;
-  for (int r = threadIdx.x; r < nq; r += kThreads) {
+  if (kBand && threadIdx.x == 0) span_lo = INT_MAX, span_hi = INT_MIN, q_lo = INT_MAX, q_hi = -1, n_held = 0;
+  // kBand: thread r < kQ (kThreads >= kQ) loads query r's band with its position, before the
+  // barrier (one wait for both); kIntervals: each thread its first interval entry and the
+  // row's count (the candidates below; most blocks need no other interval loads).
+  static_assert(kThreads >= kQ, "a thread per query of the block");
+  int band_first = 0, band_last = -1;
+  const int32_t* iv_key = kIntervals ? p.iv_key + bh * p.iv_stride : nullptr;
+  const int32_t* iv_leave = kIntervals ? p.iv_leave + bh * p.iv_stride : nullptr;
+  int n_iv = 0;
+  int32_t first_key = -1, first_leave = -1;
+  if constexpr (kIntervals) {
+    n_iv = p.iv_count[bh];
+    if (threadIdx.x < p.iv_stride) first_key = iv_key[threadIdx.x], first_leave = iv_leave[threadIdx.x];
+  }
+  if (threadIdx.x < nq) {
+    const int r = threadIdx.x;
     const int64_t i = order ? order[r0 + r] : r0 + r;
     qpos[r] = i >= 0 && i < L ? i : -1;  // not a permutation entry: no keys
+    if (kBand) band_first = p.band[bh * L + r0 + r], band_last = p.band[p.batch * p.nheads * L + bh * L + r0 + r];
   }
   __syncthreads();
   if constexpr (kBand) {
-    const int64_t n = p.batch * p.nheads * L;
-    for (int r = threadIdx.x; r < kQ; r += kThreads) {
+    if (threadIdx.x < kQ) {
+      const int r = threadIdx.x;
       int lo = 0, len = 0;
-      if (r < nq && qpos[r] >= 0) {
-        lo = p.band[bh * L + r0 + r];
-        const int last = p.band[n + bh * L + r0 + r];
-        len = last >= lo ? last - lo + 1 : 0;
-      }
+      if (r < nq && qpos[r] >= 0) lo = band_first, len = band_last >= lo ? band_last - lo + 1 : 0;
       band_lo[r] = lo, band_len[r] = len;
       if (len > 0) atomicMin(&span_lo, lo), atomicMax(&span_hi, lo + len);
+      if (kIntervals && r < nq && qpos[r] >= 0) atomicMin(&q_lo, (int)qpos[r]), atomicMax(&q_hi, (int)qpos[r]);
     }
     for (int w = threadIdx.x; w < kSpan / 32; w += kThreads) cov[w] = 0;
   }
@@ -138,6 +173,7 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   }
   auto list_of = [&](int r) -> const int32_t* {  // the list of the block's query r (rank r0 + r in q_order)
     if (kStaged) return staged + (int64_t)r * K;
+    if (kIntervals) return nullptr;
     const int64_t i = qpos[r];
     return i >= 0 ? idx + i * Ka : nullptr;  // (no idx_b here: K = Ka)
   };
@@ -193,16 +229,27 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       }
       __syncthreads();
       n_band = count;
-      if (n_band <= kU)  // (else the block overflows: count > kU)
-        for (int sb = threadIdx.x; sb < span_hi - span_lo; sb += kThreads) {
-          const uint32_t word = cov[sb / 32];
+      if (n_band <= kU) {  // (else the block overflows: count > kU)
+        // The marked keys' positions into keys[rank] (the loads issued together), then each into
+        // the hash set by the thread that loaded it.
+        static_assert(kSpan == 4 * kThreads, "four bits of the span a thread");
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int sb = threadIdx.x + e * kThreads;
+          const uint32_t word = sb < span_hi - span_lo ? cov[sb / 32] : 0u;
+          if (!((word >> (sb % 32)) & 1u)) continue;
+          const int32_t key = band_pos[span_lo + sb];
+          keys[cov_before[sb / 32] + __popc(word & ((1u << (sb % 32)) - 1u))] = key >= 0 && key < Lk ? key : -1;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int sb = threadIdx.x + e * kThreads;
+          const uint32_t word = sb < span_hi - span_lo ? cov[sb / 32] : 0u;
           if (!((word >> (sb % 32)) & 1u)) continue;
           const int rk = cov_before[sb / 32] + __popc(word & ((1u << (sb % 32)) - 1u));
-          const int32_t key = band_pos[span_lo + sb];
-          const bool ok = key >= 0 && key < Lk;  // (positions of the row; unchecked input)
-          keys[rk] = ok ? key : -1;
-          if (ok) insert(key, rk);
+          if (keys[rk] >= 0) insert(keys[rk], rk);  // (positions of the row; unchecked input)
         }
+      }
       __syncthreads();
     }
   }
@@ -227,6 +274,46 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       }
     }
   }
+  // kIntervals: the candidates (interval entries with key <= q_hi, leave > q_lo) and the queries
+  // that hold each: thread x takes the entries x, x + 256, ... (the first loaded at the start) and
+  // stops at a key past q_hi (the keys ascend); a candidate's 64-bit set of holding queries comes
+  // from testing key <= i < leave for each query position i. A held one goes into the hash set and
+  // is kept. Like a list entry, a candidate goes in after a check of the count (a thread inserts
+  // at most one key past its last check), so the hash set keeps its bound. Past kMaxIntervalScan
+  // entries with keys <= q_hi, the block overflows without a scan. (A warp per candidate, lanes
+  // over the queries with two ballots, issued ~3x the instructions: the plan took 557 us against
+  // 485 at HAX's 64K, H200.)
+  if constexpr (kIntervals) {
+    const bool too_many = n_iv > kMaxIntervalScan && iv_key[kMaxIntervalScan] <= q_hi;
+    if (too_many) {
+      if (threadIdx.x == 0) atomicAdd(&count, kU + 1);  // (overflows)
+    } else {
+      for (int t = threadIdx.x; t < n_iv; t += kThreads) {
+        if (*(volatile int*)&count > kU) break;
+        const bool first = t == (int)threadIdx.x;
+        const int32_t key = first ? first_key : iv_key[t], leave = first ? first_leave : iv_leave[t];
+        if (key > q_hi) break;
+        if (leave <= q_lo || key < 0 || key >= Lk) continue;  // (out of range: unchecked input)
+        unsigned long long by = 0;
+#pragma unroll 8
+        for (int r = 0; r < nq; ++r) {
+          const int64_t i = qpos[r];  // (-1: no query, below every key)
+          by |= (unsigned long long)(key <= i && i < leave) << r;
+        }
+        if (by == 0) continue;
+        const int c = atomicAdd(&n_held, 1);
+        if (c >= kMaxHeld) {
+          atomicAdd(&count, kU + 1);  // (overflows)
+          break;
+        }
+        held_key[c] = key, held_by[c] = by;
+        if (insert(key, -1)) {
+          atomicAdd(&count, 1);
+          if (uses) atomicAdd(&uses[key], 1);
+        }
+      }
+    }
+  }
   __syncthreads();
   const int u = count;
   if (u > kU) {
@@ -244,6 +331,12 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
             const int32_t key = t < nb ? band_pos[band_lo[r] + t] : list[t - nb];
             if (key >= 0 && key < Lk) uses[key] = kAttentionKeyManyUses;
           }
+        }
+      if (kIntervals && uses)  // every candidate (held or not: more than the queries' keys, never fewer)
+        for (int t = threadIdx.x; t < n_iv; t += kThreads) {
+          const int32_t key = iv_key[t];
+          if (key > q_hi) break;
+          if (iv_leave[t] > q_lo && key >= 0 && key < Lk) uses[key] = kAttentionKeyManyUses;
         }
     }
     return;
@@ -333,6 +426,15 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
         atomicOr(row + 2 * kQ * (w / 2) + w % 2, (e - a == 32 ? 0xffffffffu : (1u << (e - a)) - 1u) << (a - 32 * w));
     }
   }
+  if constexpr (kIntervals)  // each held candidate: its rank once, then a bit per query that holds it
+    for (int c = threadIdx.x; c < n_held; c += kThreads) {
+      const int32_t key = held_key[c];
+      int h = hash_slot(key);
+      while (table[h] != key) h = (h + 1) & (kHash - 1);
+      const int lo = rank[h];
+      uint32_t* col = smask + 2 * kQ * (lo / 64) + (lo % 64) / 32;
+      for (unsigned long long by = held_by[c]; by; by &= by - 1) atomicOr(col + 2 * (__ffsll(by) - 1), 1u << (lo % 32));
+    }
   __syncthreads();
   unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
   const unsigned long long* words = reinterpret_cast<const unsigned long long*>(smask);
@@ -355,12 +457,14 @@ void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTi
                              std::to_string(p.maxkeys_b) + " keys exceed the " + std::to_string(kMaxStagedKeys) +
                              " a query the union's plan stages");
   const auto s = (cudaStream_t)stream;
-  if (p.band && (p.idx_b || sorted || K > kMaxStagedKeys || !p.band_pos))
+  if (p.band && (p.idx_b || sorted || (!p.iv_key && K > kMaxStagedKeys) || !p.band_pos))
     throw std::runtime_error("sparse_attention tile plan: a band needs band_pos, no idx_b, an unsorted plan and a list "
                              "of at most " + std::to_string(kMaxStagedKeys) + " keys (has " + std::to_string(K) + ")");
-  auto launch = [&](auto staged, auto sort, auto band) {
+  if (p.iv_key && (!p.band || !p.iv_count || !p.iv_leave || p.iv_stride < 0))
+    throw std::runtime_error("sparse_attention tile plan: intervals need a band, iv_count, iv_leave and iv_stride >= 0");
+  auto launch = [&](auto staged, auto sort, auto band, auto intervals) {
     constexpr bool kStaged = decltype(staged)::value, kSorted = decltype(sort)::value, kBand = decltype(band)::value;
-    const auto kernel = tile_plan_kernel<kStaged, kSorted, kBand>;
+    const auto kernel = tile_plan_kernel<kStaged, kSorted, kBand, decltype(intervals)::value>;
     const size_t smem = kStaged ? sizeof(int32_t) * kQ * (size_t)K : 0;
     if (kStaged) cuda::allow_smem(kernel, smem, "sparse_attention tile plan", kStaticSmem);
     kernel<<<(unsigned)grid, kThreads, smem, s>>>(p, plan, nblk);
@@ -368,11 +472,12 @@ void sparse_attention_tile_plan_cuda(const AttentionParams& p, const AttentionTi
   using T = std::true_type;
   using F = std::false_type;
   const bool staged = K <= kMaxStagedKeys;
-  if (p.band) launch(T{}, F{}, T{});
-  else if (staged && sorted) launch(T{}, T{}, F{});
-  else if (staged) launch(T{}, F{}, F{});
-  else if (sorted) launch(F{}, T{}, F{});
-  else launch(F{}, F{}, F{});
+  if (p.band && p.iv_key) launch(F{}, F{}, T{}, T{});
+  else if (p.band) launch(T{}, F{}, T{}, F{});
+  else if (staged && sorted) launch(T{}, T{}, F{}, F{});
+  else if (staged) launch(T{}, F{}, F{}, F{});
+  else if (sorted) launch(F{}, T{}, F{}, F{});
+  else launch(F{}, F{}, F{}, F{});
   cuda::check_launch("sparse_attention tile plan");
 }
 
