@@ -105,7 +105,8 @@ namespace {
 // and 7.3 against 6.1 with Key Selection's lists beside the band (eleventh pass).
 // 1: always (HAX then takes Key Selection's blocks where the tile kernels run, else its lists);
 // 0: never (LSH through its lists, for comparisons). Unset, HAX on the GPU plans LSH's band with
-// the other part's lists (ops::sparse_attention_union_band; see attend).
+// Key Selection's intervals (ops::sparse_attention_union_band_intervals) or the other part's lists
+// (ops::sparse_attention_union_band; see attend).
 int lsh_band_mode() {
   static const int mode = [] {
     const char* e = std::getenv("HAX_LSH_BAND");
@@ -234,9 +235,10 @@ at::Tensor SparseAttentionBranch::attend(const at::Tensor& qk_in, const at::Tens
     return ops::join_by_lse(o1, lse1.unsqueeze(-1), o2, lse2);
   }
   if (parts_.size() == 1 && ks_blocks) return std::get<0>(ks_blocks_attention(nullptr));  // Key Selection alone
-  // GPU, LSH with one other part (HAX), HAX_LSH_BAND unset: LSH's band, without lists, and the
-  // other part's lists in one tile plan (its blocks mark the band's keys in a bitmap instead of
-  // hashing 32 list entries a query); the blocks whose union overflows get merged lists.
+  // GPU, LSH with one other part (HAX), HAX_LSH_BAND unset: LSH's band, without lists, and Key
+  // Selection's intervals (or the other part's lists) in one tile plan (its blocks mark the band's
+  // keys in a bitmap instead of hashing 32 list entries a query); the blocks whose union overflows
+  // get merged lists.
   if (has_lsh && vh.is_cuda() && parts_.size() == 2 && !(ctx && ctx->record) && lsh_band_mode() < 0 &&
       keys_per_part_ <= 32 && ops::sparse_attention_union_native(q, vh, keys_per_part_, keys_per_part_)) {
     const patterns::LshBand band = lsh_band(q, k, seq_idx, ctx, /*key_side=*/false);
