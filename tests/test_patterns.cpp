@@ -1186,6 +1186,20 @@ void expect_intervals_equal_cpu(const pat::KeyIntervals& got, const at::Tensor& 
 
 }  // namespace
 
+// bfloat16 CUDA scores with k above the kernels' kTopKMaxK go to the CPU loop, which reads them as
+// float32 (it read bfloat16 memory as float32 before and failed): the lists of their float32
+// values, on the device.
+TEST(PatternCuda, TopKPrefixPastTheKernelsLimitTakesBf16Scores) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(252);
+  const int64_t L = pat::kTopKMaxK + 97, k = pat::kTopKMaxK + 1;
+  const at::Tensor scores = at::randn({1, L, 1}).to(at::kBFloat16);
+  const at::Tensor got = pat::top_k_prefix(scores.to(at::Device(at::kCUDA, 0)), k, at::Tensor()).idx;
+  const at::Tensor want = pat::top_k_prefix(scores.to(at::kFloat), k, at::Tensor()).idx;
+  ASSERT_TRUE(got.is_cuda());
+  EXPECT_TRUE(at::equal(got.cpu(), want));
+}
+
 // The kernels' intervals equal the CPU loop's exactly, with their extras: awkward lengths (one
 // position: the CPU loop; 5000: 79 blocks, three super blocks of 32), k on the register scans
 // (<= 32) and the shared-memory ones (100), packed rows, random, tied-with-NaN, rising (every key

@@ -110,7 +110,9 @@ KeyLists top_k_prefix(const at::Tensor& scores0, int64_t k, const at::Tensor& se
     return {detail::top_k_prefix_device(scores0, k, seq), at::Tensor()};
   }
   const at::Tensor seq = detail::on(ops::check_seq_idx(kOp, seq_idx, B, L), at::kCPU);
-  const at::Tensor scores = scores0.detach().to(at::kCPU).contiguous();
+  // (float32 and below as float32: the loop reads float or double)
+  const at::Tensor scores =
+      scores0.detach().to(at::kCPU, scores0.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
   at::Tensor idx = detail::empty_lists(B, H, L, k);
   if (scores.scalar_type() == at::kDouble)
     top_k_kernel<double>(scores, k, seq, idx);
