@@ -27,6 +27,22 @@ void check_pair(const char* op, const KeyLists& a, const KeyLists& b) {
                    "(B, H, L, Kb) with a.idx's (B, H, L)");
 }
 
+// The band side of both band forms of merge_overflow_rows: a.band (2+, B, H, L), a.k_order and
+// a.q_order (B, H, L), block_count (B, H, ceil(L / 64)), all int32 on dev (b's device).
+void check_band_rows(const char* op, const LshBand& a, const at::Tensor& block_count, int64_t B, int64_t H, int64_t L,
+                     const at::Device& dev) {
+  const std::vector<int64_t> rows{B, H, L};
+  HAX_CHECK(a.band.dim() == 4 && a.band.size(0) >= 2 && a.band.sizes().slice(1).vec() == rows,
+            "{}: a.band has shape {}, expected (2 or more, {}, {}, {})", op, ops::shape_str(a.band.sizes()), B, H, L);
+  ops::check_shape(op, "a.k_order", a.k_order, rows, "(B, H, L)");
+  ops::check_shape(op, "a.q_order", a.q_order, rows, "(B, H, L)");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"a.band", a.band}, {"a.k_order", a.k_order},
+                                {"a.q_order", a.q_order}, {"block_count", block_count}})
+    HAX_CHECK(t.scalar_type() == at::kInt && t.device() == dev, "{}: {} must be int32 on {} (got {} on {})", op, name,
+              dev.str(), c10::toString(t.scalar_type()), t.device().str());
+  ops::check_shape(op, "block_count", block_count, {B, H, ops::attention_tile_blocks(L)}, "(B, H, ceil(L / 64))");
+}
+
 }  // namespace
 
 at::Tensor merge_overflow_rows(const KeyLists& a, const KeyLists& b, const at::Tensor& block_count) {
@@ -52,16 +68,7 @@ at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyLists& b, 
             b.idx.device().str());
   ops::check_backend(kOp, "b.idx", b.idx);
   HAX_CHECK(Ka > 0 && Ka <= 32 && Kb <= 32, "{}: needs 0 < Ka <= 32 and Kb <= 32 (Ka = {}, Kb = {})", kOp, Ka, Kb);
-  const std::vector<int64_t> rows{B, H, L};
-  HAX_CHECK(a.band.dim() == 4 && a.band.size(0) >= 2 && a.band.sizes().slice(1).vec() == rows,
-            "{}: a.band has shape {}, expected (2 or more, {}, {}, {})", kOp, ops::shape_str(a.band.sizes()), B, H, L);
-  ops::check_shape(kOp, "a.k_order", a.k_order, rows, "(B, H, L)");
-  ops::check_shape(kOp, "a.q_order", a.q_order, rows, "(B, H, L)");
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"a.band", a.band}, {"a.k_order", a.k_order},
-                                {"a.q_order", a.q_order}, {"block_count", block_count}})
-    HAX_CHECK(t.scalar_type() == at::kInt && t.device() == b.idx.device(), "{}: {} must be int32 on {} (got {} on {})",
-              kOp, name, b.idx.device().str(), c10::toString(t.scalar_type()), t.device().str());
-  ops::check_shape(kOp, "block_count", block_count, {B, H, ops::attention_tile_blocks(L)}, "(B, H, ceil(L / 64))");
+  check_band_rows(kOp, a, block_count, B, H, L, b.idx.device());
   return detail::merge_overflow_band_device(a.band, a.k_order, Ka, b.idx, a.q_order, block_count);
 }
 
@@ -88,18 +95,11 @@ at::Tensor merge_overflow_rows(const LshBand& a, int64_t Ka, const KeyIntervals&
   ops::check_shape(kOp, "b.prefix", b.prefix, {B, H, ops::attention_tile_blocks(L), b.k},
                    "(B, H, ceil(L / 64), k) with b.leave_at's (B, H, L) and k = b.k");
   ops::check_shape(kOp, "b.start", b.start, {B, L}, "(B, L) with b.leave_at's B and L");
-  const std::vector<int64_t> rows{B, H, L};
-  HAX_CHECK(a.band.dim() == 4 && a.band.size(0) >= 2 && a.band.sizes().slice(1).vec() == rows,
-            "{}: a.band has shape {}, expected (2 or more, {}, {}, {}) with b.leave_at's (B, H, L)", kOp,
-            ops::shape_str(a.band.sizes()), B, H, L);
-  ops::check_shape(kOp, "a.k_order", a.k_order, rows, "(B, H, L)");
-  ops::check_shape(kOp, "a.q_order", a.q_order, rows, "(B, H, L)");
-  ops::check_shape(kOp, "block_count", block_count, {B, H, ops::attention_tile_blocks(L)}, "(B, H, ceil(L / 64))");
+  check_band_rows(kOp, a, block_count, B, H, L, dev);
   HAX_CHECK(b.prefix.scalar_type() == at::kLong && b.prefix.device() == dev, "{}: b.prefix must be int64 on {} (got {} on {})",
             kOp, dev.str(), c10::toString(b.prefix.scalar_type()), b.prefix.device().str());
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"b.leave_at", b.leave_at},
-                                {"b.start", b.start}, {"a.band", a.band}, {"a.k_order", a.k_order},
-                                {"a.q_order", a.q_order}, {"block_count", block_count}})
+                                {"b.start", b.start}})
     HAX_CHECK(t.scalar_type() == at::kInt && t.device() == dev, "{}: {} must be int32 on {} (got {} on {})", kOp, name,
               dev.str(), c10::toString(t.scalar_type()), t.device().str());
   return detail::merge_overflow_intervals_device(a.band, a.k_order, Ka, b, a.q_order, block_count);

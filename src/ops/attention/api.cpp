@@ -165,6 +165,14 @@ struct Inputs {
   at::Tensor q, k, v, idx, bias, seg_w, q_order;
 };
 
+// in.q_order, contiguous and checked to be a permutation per (b, h) (on a CUDA device only while
+// check_device_values() is on: a read-back).
+void set_q_order(Inputs& in, const at::Tensor& q_order) {
+  in.q_order = q_order.contiguous();
+  if (!in.q_order.is_cuda()) check_permutation(in.q_order, in.d);
+  else if (check_device_values()) check_permutation_cuda(in.q_order, in.d);
+}
+
 Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx,
                const at::Tensor& bias, const at::Tensor& seg_w, const at::Tensor& q_order, double scale) {
   Inputs in;
@@ -178,11 +186,7 @@ Inputs prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   if (in.idx.is_cuda() && check_device_values()) check_idx_values_cuda(in.idx, d);
   if (bias.defined()) in.bias = bias.contiguous();
   if (seg_w.defined()) in.seg_w = seg_w.contiguous();
-  if (q_order.defined()) {
-    in.q_order = q_order.contiguous();
-    if (!in.q_order.is_cuda()) check_permutation(in.q_order, d);
-    else if (check_device_values()) check_permutation_cuda(in.q_order, d);
-  }
+  if (q_order.defined()) set_q_order(in, q_order);
   return in;
 }
 
@@ -582,6 +586,17 @@ namespace {
 // The band's checks of both band unions (band (2+, B, H, L), band_pos (B, H, Lk) int32 on q's
 // device; with the value checks on, their entries) and p's band fields; returns the contiguous
 // tensors p points into.
+// What both band unions need before anything else: the tile path for parts of Ka and Kb keys, and
+// q_order (the band's rows are its ranks).
+void check_band_union(const char* op, const at::Tensor& q, const at::Tensor& v, int64_t Ka, int64_t Kb,
+                      const at::Tensor& q_order) {
+  HAX_CHECK(sparse_attention_union_native(q, v, Ka, Kb),
+            "{}: needs the CUDA tile path (bfloat16 or autocast on CUDA, head dims <= 128, not deterministic) and "
+            "0 < Ka, Kb with Ka + Kb = {} <= {} (Ka = {}, Kb = {})",
+            op, Ka + Kb, kAttentionPlanMaxStagedKeys, Ka, Kb);
+  HAX_CHECK(q_order.defined(), "{}: q_order is needed (band rows are ranks in q_order)", op);
+}
+
 std::pair<at::Tensor, at::Tensor> set_band(const char* op, AttentionParams& p, const Dims& d, const at::Tensor& q,
                                            const at::Tensor& band, const at::Tensor& band_pos, int64_t Ka) {
   check_rank(op, "band", band, 4, "(2 or more, B, H, L)");
@@ -618,11 +633,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band(const at::Tensor&
   constexpr const char* kUnion = "sparse_attention_union_band";
   check_rank(kUnion, "idx_b", idx_b, 4, "(B, H, L, Kb)");
   const int64_t Kb = idx_b.size(3);
-  HAX_CHECK(sparse_attention_union_native(q, v, Ka, Kb),
-            "{}: needs the CUDA tile path (bfloat16 or autocast on CUDA, head dims <= 128, not deterministic) and "
-            "0 < Ka, Kb with Ka + Kb = {} <= {} (Ka = {}, Kb = {})",
-            kUnion, Ka + Kb, kAttentionPlanMaxStagedKeys, Ka, Kb);
-  HAX_CHECK(q_order.defined(), "{}: q_order is needed (band rows are ranks in q_order)", kUnion);
+  check_band_union(kUnion, q, v, Ka, Kb, q_order);
   Inputs in = prepare(q, k, v, idx_b, {}, {}, q_order, scale);  // (checks q, k, v, idx_b, q_order)
   AttentionParams p = make_params(in, scale);
   const auto kept = set_band(kUnion, p, in.d, q, band, band_pos, Ka);
@@ -637,11 +648,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band_intervals(
     return sparse_attention_union_band_intervals(autocast_cast(q), autocast_cast(k), autocast_cast(v), band, band_pos,
                                                  Ka, iv_count, iv_key, iv_leave, Kb, q_order, scale, merge_overflow);
   constexpr const char* kUnion = "sparse_attention_union_band_intervals";
-  HAX_CHECK(sparse_attention_union_native(q, v, Ka, Kb),
-            "{}: needs the CUDA tile path (bfloat16 or autocast on CUDA, head dims <= 128, not deterministic) and "
-            "0 < Ka, Kb with Ka + Kb = {} <= {} (Ka = {}, Kb = {})",
-            kUnion, Ka + Kb, kAttentionPlanMaxStagedKeys, Ka, Kb);
-  HAX_CHECK(q_order.defined(), "{}: q_order is needed (band rows are ranks in q_order)", kUnion);
+  check_band_union(kUnion, q, v, Ka, Kb, q_order);
   // The plan's inputs without lists: the shapes as for lists of Kb keys (a stand-in of no storage
   // for check_inputs), q, k, v and q_order as prepare makes them.
   check_rank(kUnion, "q", q, 4, "(B, L, H, D)");
@@ -649,8 +656,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band_intervals(
   const at::Tensor shape_only = at::empty({1}, q.options().dtype(at::kInt)).expand({B, H, L, Kb});
   Inputs in;
   in.d = check_inputs(q, k, v, shape_only, {}, {}, q_order, scale);
-  in.q = q.contiguous(), in.k = k.contiguous(), in.v = v.contiguous(), in.q_order = q_order.contiguous();
-  if (check_device_values()) check_permutation_cuda(in.q_order, in.d);
+  in.q = q.contiguous(), in.k = k.contiguous(), in.v = v.contiguous();
+  set_q_order(in, q_order);
   check_shape(kUnion, "iv_count", iv_count, {B, H}, "(B, H)");
   check_rank(kUnion, "iv_key", iv_key, 3, "(B, H, M)");
   HAX_CHECK(iv_key.size(0) == B && iv_key.size(1) == H, "{}: iv_key has shape {}, expected (B, H, M) = ({}, {}, M)",
@@ -664,8 +671,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_union_band_intervals(
   const int64_t M = ik.size(2);
   if (check_device_values())  // (reads device values)
     HAX_CHECK(!((ic < 0) | (ic > M)).any().item<bool>(), "{}: iv_count holds a count outside [0, M = {}]", kUnion, M);
-  AttentionParams p = make_params(in, scale);
-  p.maxkeys = Kb;
+  AttentionParams p = make_params(in, scale);  // (maxkeys = Kb, from the stand-in's shape)
   const auto kept = set_band(kUnion, p, in.d, q, band, band_pos, Ka);
   p.iv_count = ic.data_ptr<int32_t>(), p.iv_key = ik.data_ptr<int32_t>(), p.iv_leave = il.data_ptr<int32_t>();
   p.iv_stride = M;
