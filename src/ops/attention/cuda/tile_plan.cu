@@ -98,11 +98,15 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
   __shared__ int32_t band_lo[kBand ? kQ : 1], band_len[kBand ? kQ : 1];
   __shared__ uint32_t cov[kBand ? kSpan / 32 : 1], cov_before[kBand ? kSpan / 32 : 1];
   __shared__ int span_lo, span_hi;
-  // kIntervals: the block's first and last query positions; the held candidates (key, the bits of
-  // the queries that hold it) and their number.
+  // kIntervals: the block's first and last query positions; the held candidates (key, the sorted
+  // ranks [held_lo, held_hi) of the queries that hold it) and their number.
   __shared__ int q_lo, q_hi;
+  // The block's query positions ascending (spos; -1 for no query, first) and each one's query
+  // (sperm).
+  __shared__ int32_t spos[kIntervals ? kQ : 1];
+  __shared__ int8_t sperm[kIntervals ? kQ : 1];
   __shared__ int32_t held_key[kIntervals ? kMaxHeld : 1];
-  __shared__ unsigned long long held_by[kIntervals ? kMaxHeld : 1];
+  __shared__ int8_t held_lo[kIntervals ? kMaxHeld : 1], held_hi[kIntervals ? kMaxHeld : 1];
   __shared__ int n_held;
   __shared__ __align__(8) uint32_t smask[2 * kTiles * kQ];  // the plan's mask words (tile, query) as 32-bit halves
   extern __shared__ int4 staged_u4[];  // kStaged: (nq, K) the block's lists (with idx_b: a's, then b's)
@@ -128,6 +132,10 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     n_iv = p.iv_count[bh];
     if (threadIdx.x < p.iv_stride) first_key = iv_key[threadIdx.x], first_leave = iv_leave[threadIdx.x];
   }
+  // (the tables are cleared while those loads are in flight)
+  for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1, rank[i] = -1;
+  for (int i = threadIdx.x; i < 2 * kTiles * kQ; i += kThreads) smask[i] = 0;
+  if (threadIdx.x == 0) count = 0, filled = 0;
   if (threadIdx.x < nq) {
     const int r = threadIdx.x;
     const int64_t i = order ? order[r0 + r] : r0 + r;
@@ -143,6 +151,15 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       band_lo[r] = lo, band_len[r] = len;
       if (len > 0) atomicMin(&span_lo, lo), atomicMax(&span_hi, lo + len);
       if (kIntervals && r < nq && qpos[r] >= 0) atomicMin(&q_lo, (int)qpos[r]), atomicMax(&q_hi, (int)qpos[r]);
+      if (kIntervals) {  // query r's rank among the block's (position, query) pairs
+        const int64_t i = r < nq ? qpos[r] : -1;
+        int at = 0;
+        for (int o = 0; o < kQ; ++o) {
+          const int64_t j = o < nq ? qpos[o] : -1;
+          at += j < i || (j == i && o < r);
+        }
+        spos[at] = (int32_t)i, sperm[at] = (int8_t)r;
+      }
     }
     for (int w = threadIdx.x; w < kSpan / 32; w += kThreads) cov[w] = 0;
   }
@@ -177,9 +194,6 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     const int64_t i = qpos[r];
     return i >= 0 ? idx + i * Ka : nullptr;  // (no idx_b here: K = Ka)
   };
-  for (int i = threadIdx.x; i < kHash; i += kThreads) table[i] = -1, rank[i] = -1;
-  for (int i = threadIdx.x; i < 2 * kTiles * kQ; i += kThreads) smask[i] = 0;
-  if (threadIdx.x == 0) count = 0, filled = 0;
   __syncthreads();
 
   const int64_t Lk = p.keylen;
@@ -233,22 +247,19 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
         // The marked keys' positions into keys[rank] (the loads issued together), then each into
         // the hash set by the thread that loaded it.
         static_assert(kSpan == 4 * kThreads, "four bits of the span a thread");
+        int rks[4];  // this thread's bits' ranks (-1: not marked)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int sb = threadIdx.x + e * kThreads;
           const uint32_t word = sb < span_hi - span_lo ? cov[sb / 32] : 0u;
-          if (!((word >> (sb % 32)) & 1u)) continue;
+          rks[e] = (word >> (sb % 32)) & 1u ? (int)(cov_before[sb / 32] + __popc(word & ((1u << (sb % 32)) - 1u))) : -1;
+          if (rks[e] < 0) continue;
           const int32_t key = band_pos[span_lo + sb];
-          keys[cov_before[sb / 32] + __popc(word & ((1u << (sb % 32)) - 1u))] = key >= 0 && key < Lk ? key : -1;
+          keys[rks[e]] = key >= 0 && key < Lk ? key : -1;
         }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int sb = threadIdx.x + e * kThreads;
-          const uint32_t word = sb < span_hi - span_lo ? cov[sb / 32] : 0u;
-          if (!((word >> (sb % 32)) & 1u)) continue;
-          const int rk = cov_before[sb / 32] + __popc(word & ((1u << (sb % 32)) - 1u));
-          if (keys[rk] >= 0) insert(keys[rk], rk);  // (positions of the row; unchecked input)
-        }
+        for (int e = 0; e < 4; ++e)
+          if (rks[e] >= 0 && keys[rks[e]] >= 0) insert(keys[rks[e]], rks[e]);  // (positions of the row; unchecked input)
       }
       __syncthreads();
     }
@@ -288,25 +299,28 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
     if (too_many) {
       if (threadIdx.x == 0) atomicAdd(&count, kU + 1);  // (overflows)
     } else {
+      // The sorted ranks of the first position >= x (spos ascends; -1 entries below every key).
+      auto rank_of = [&](int32_t x) {
+        int a = 0;
+#pragma unroll
+        for (int step = kQ / 2; step > 0; step /= 2)
+          if (spos[a + step - 1] < x) a += step;
+        return a + (spos[a] < x);
+      };
       for (int t = threadIdx.x; t < n_iv; t += kThreads) {
         if (*(volatile int*)&count > kU) break;
         const bool first = t == (int)threadIdx.x;
         const int32_t key = first ? first_key : iv_key[t], leave = first ? first_leave : iv_leave[t];
         if (key > q_hi) break;
         if (leave <= q_lo || key < 0 || key >= Lk) continue;  // (out of range: unchecked input)
-        unsigned long long by = 0;
-#pragma unroll 8
-        for (int r = 0; r < nq; ++r) {
-          const int64_t i = qpos[r];  // (-1: no query, below every key)
-          by |= (unsigned long long)(key <= i && i < leave) << r;
-        }
-        if (by == 0) continue;
+        const int lo = rank_of(key), hi = rank_of(leave);  // the queries key <= i < leave
+        if (lo >= hi) continue;
         const int c = atomicAdd(&n_held, 1);
         if (c >= kMaxHeld) {
           atomicAdd(&count, kU + 1);  // (overflows)
           break;
         }
-        held_key[c] = key, held_by[c] = by;
+        held_key[c] = key, held_lo[c] = (int8_t)lo, held_hi[c] = (int8_t)hi;
         if (insert(key, -1)) {
           atomicAdd(&count, 1);
           if (uses) atomicAdd(&uses[key], 1);
@@ -328,7 +342,7 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
           const int nb = band_len[r];
           const int64_t total = nb + (list ? K : 0);
           for (int64_t t = lane; t < total; t += 32) {
-            const int32_t key = t < nb ? band_pos[band_lo[r] + t] : list[t - nb];
+            const int32_t key = entry(r, list, nb, t);
             if (key >= 0 && key < Lk) uses[key] = kAttentionKeyManyUses;
           }
         }
@@ -416,24 +430,31 @@ __global__ void __launch_bounds__(kThreads) tile_plan_kernel(AttentionParams p, 
       const int lo = rank[h];  // its position in the union
       atomicOr(row + 2 * kQ * (lo / 64) + (lo % 64) / 32, 1u << (lo % 32));
     }
-    if (kBand && covered && band_len[r] > 0) {
-      // The band's keys: ranks lo .. hi - 1 (consecutive marks of the bitmap), one run of bits;
-      // lane x sets its part of the run's 32-bit word lo / 32 + x.
+  }
+  // A covered band's keys: query r's are ranks lo .. hi - 1 (consecutive marks of the bitmap), one
+  // run of bits, set by a thread per query a 32-bit word at a time.
+  if (kBand && covered)
+    for (int r = threadIdx.x; r < nq; r += kThreads) {
+      if (band_len[r] == 0) continue;
       const int sb = band_lo[r] - span_lo;
       const int lo = cov_before[sb / 32] + __popc(cov[sb / 32] & ((1u << (sb % 32)) - 1u)), hi = lo + band_len[r];
-      const int w = lo / 32 + lane, a = lo > 32 * w ? lo : 32 * w, e = hi < 32 * w + 32 ? hi : 32 * w + 32;
-      if (a < e)
-        atomicOr(row + 2 * kQ * (w / 2) + w % 2, (e - a == 32 ? 0xffffffffu : (1u << (e - a)) - 1u) << (a - 32 * w));
+      for (int w = lo / 32; w * 32 < hi; ++w) {
+        const int a = lo > 32 * w ? lo : 32 * w, e = hi < 32 * w + 32 ? hi : 32 * w + 32;
+        atomicOr(smask + 2 * r + 2 * kQ * (w / 2) + w % 2,
+                 (e - a == 32 ? 0xffffffffu : (1u << (e - a)) - 1u) << (a - 32 * w));
+      }
     }
-  }
-  if constexpr (kIntervals)  // each held candidate: its rank once, then a bit per query that holds it
-    for (int c = threadIdx.x; c < n_held; c += kThreads) {
+  // A held candidate: a warp probes its rank, lane s sets the bit of the query of sorted rank s
+  // (and s + 32) when it holds the key.
+  if constexpr (kIntervals)
+    for (int c = warp; c < n_held; c += kWarps) {
       const int32_t key = held_key[c];
       int h = hash_slot(key);
       while (table[h] != key) h = (h + 1) & (kHash - 1);
-      const int lo = rank[h];
+      const int lo = rank[h], a = held_lo[c], e = held_hi[c];
       uint32_t* col = smask + 2 * kQ * (lo / 64) + (lo % 64) / 32;
-      for (unsigned long long by = held_by[c]; by; by &= by - 1) atomicOr(col + 2 * (__ffsll(by) - 1), 1u << (lo % 32));
+      if (a <= lane && lane < e) atomicOr(col + 2 * sperm[lane], 1u << (lo % 32));
+      if (a <= lane + 32 && lane + 32 < e) atomicOr(col + 2 * sperm[lane + 32], 1u << (lo % 32));
     }
   __syncthreads();
   unsigned long long* mout = reinterpret_cast<unsigned long long*>(plan.mask) + (int64_t)blockIdx.x * kTiles * kQ;
