@@ -53,6 +53,8 @@ struct Sizes {
   float scale2 = 1.f;    // scale · log2e
   bool vec_qk = false;   // q, k rows can be copied 16 bytes at a time
   bool vec_v = false;    // v, dout rows too
+  bool quads_k = false;  // the backward adds dK rows 4 entries at a time (quad_rows)
+  bool quads_v = false;  // and dV rows
 };
 
 // Copies rows pos[r] (r < nrows; pos < 0 gives zeros) of a (positions, stride) bfloat16 array,
@@ -107,10 +109,35 @@ enum RowSum : int { kSumF32 = 0, kSumBf16 = 1, kStoreBf16 = 2 };
 // f32 or the bfloat16 row b16 as `how` says (the bfloat16 forms round each sum once), two entries
 // at a time where ncols is even. One loop for all forms, so that the unrolled stores exist once
 // (two unrolled copies kept both rows' addresses live: ptxas spilled 1.4 KB a thread).
+// quads (after quad_rows): 4 entries at a time, one 16-byte float32 reduction, one 8-byte
+// bfloat16 reduction or store where there were two.
 template <int DB>
 __device__ __forceinline__ void add_row(float* f32, bf16* b16, int how, const float (&acc)[DB / 8][4], int r,
-                                        float mul, int ncols, int t, bool pairs) {
+                                        float mul, int ncols, int t, bool pairs, bool quads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (quads) {  // ncols % 4 == 0, rows 16-byte (float32) and 8-byte (bfloat16) aligned
+    const int c0 = 8 * (t & 1) + 2 * (t & ~1);  // the thread's 4 columns of each 16: c0 .. c0 + 3
+#pragma unroll
+    for (int m = 0; m < DB / 16; ++m) {
+      const int c = 16 * m + c0;
+      if (c >= ncols) continue;
+      const float x0 = acc[2 * m][2 * r] * mul, x1 = acc[2 * m][2 * r + 1] * mul;
+      const float x2 = acc[2 * m + 1][2 * r] * mul, x3 = acc[2 * m + 1][2 * r + 1] * mul;
+      if (how == kSumF32) {
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(f32 + c), "f"(x0), "f"(x1), "f"(x2),
+                     "f"(x3)
+                     : "memory");
+      } else {
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(x0, x1), hi = __floats2bfloat162_rn(x2, x3);
+        const uint32_t a = *reinterpret_cast<const uint32_t*>(&lo), b = *reinterpret_cast<const uint32_t*>(&hi);
+        if (how == kSumBf16)
+          asm volatile("red.global.add.noftz.v2.bf16x2 [%0], {%1, %2};" ::"l"(b16 + c), "r"(a), "r"(b) : "memory");
+        else
+          asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(b16 + c), "r"(a), "r"(b) : "memory");
+      }
+    }
+    return;
+  }
   if (pairs) {  // ncols even: reductions (without a returned value) or stores of two entries
     const uint64_t base = how ? reinterpret_cast<uint64_t>(b16 + 2 * t) : reinterpret_cast<uint64_t>(f32 + 2 * t);
     const int step = how ? 16 : 32;  // bytes of 8 entries
@@ -150,6 +177,27 @@ __device__ __forceinline__ void add_row(float* f32, bf16* b16, int how, const fl
       if (second) b16[d + 1] = __float2bfloat16_rn(b);
     }
   }
+}
+
+// Rearranges a warp's (16 rows, DB columns) fragment acc so that each thread holds 4 consecutive
+// columns of each 16 where it held 2 of each 8: threads t and t ^ 1 (of a row's quad) swap the
+// pairs of columns 16m + 8 + 2t (even t) and 16m + 2(t - 1) (odd t). Then entries
+// (acc[2m][2r], acc[2m][2r + 1], acc[2m + 1][2r], acc[2m + 1][2r + 1]) are columns
+// 16m + 8 (t & 1) + 2 (t & ~1) .. + 3 of row r. Every lane of the warp takes part.
+template <int DB>
+__device__ __forceinline__ void quad_rows(float (&acc)[DB / 8][4], int t) {
+  static_assert(DB % 16 == 0, "pairs of 8-column groups");
+  const bool odd = t & 1;
+#pragma unroll
+  for (int m = 0; m < DB / 16; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float got = __shfl_xor_sync(0xffffffffu, odd ? acc[2 * m][e] : acc[2 * m + 1][e], 1);
+      if (odd)
+        acc[2 * m][e] = got;
+      else
+        acc[2 * m + 1][e] = got;
+    }
 }
 
 // Δ_i = dO_i·O_i - dlse_i of the block's queries into dl[0..kQ) (0 for rows without a query), two
@@ -604,6 +652,10 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
       __syncthreads();                            // every warp's rows of dS^T are in sdS
       warp_accumulate_tn<DB, kTK / 16, Swizzle128, Lay>(dq, sdS, r0, ts.K(buf));  // dQ += dS K
     }
+    if constexpr (DB % 16 == 0) {  // (uniform)
+      if (z.quads_k) quad_rows<DB>(dk, t);
+      if (z.quads_v) quad_rows<DB>(dv, t);
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float dbr = db_acc ? sum4(db[r]) : 0.f;  // (uniform: the shuffles only with a bias)
@@ -613,9 +665,9 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
       // pointers come from the parameters here, where live through the loop they cost spills).
       const int how = nuse[r] == 1 ? kStoreBf16 : nuse[r] <= kAttentionKeyFewUses ? kSumBf16 : kSumF32;
       add_row<DB>(dk_acc + (int64_t)j * sqk, (bf16*)gp.dk_bf16 + gb.off_k + (int64_t)j * sqk, how, dk, r, z.scale, z.D,
-                  t, pairs_k);
+                  t, pairs_k, DB % 16 == 0 && z.quads_k);
       add_row<DB>(dv_acc + (int64_t)j * sv, (bf16*)gp.dv_bf16 + gb.off_v + (int64_t)j * sv, how, dv, r, 1.f, z.Dv, t,
-                  pairs_v);
+                  pairs_v, DB % 16 == 0 && z.quads_v);
       if (db_acc && t == 0) atomicAdd(db_acc + j, dbr);
     }
     if constexpr (W::kAll) {  // dQ's product done before the next barrier lets K's buffer and sdS be rewritten
@@ -692,8 +744,21 @@ void sparse_attention_tile_forward_cuda(const AttentionParams& p, const Attentio
   cuda::check_launch("sparse_attention tile forward");
 }
 
+// HAX_TILE_QUAD_ROWS (default 1): the tile backward adds dK and dV rows 4 entries at a time
+// (quad_rows, add_row) where the head dims are multiples of 4 and the rows aligned; 0 two at a time.
+bool tile_quad_rows() {
+  static const bool on = cuda::env_switch("HAX_TILE_QUAD_ROWS", 1, 1, "0 two entries a reduction, 1 four") != 0;
+  return on;
+}
+
 void sparse_attention_tile_backward_cuda(const AttentionGradParams& gp, const AttentionTilePlan& plan, void* stream) {
-  const Sizes z = sizes_of(gp.fwd, gp.dout);
+  Sizes z = sizes_of(gp.fwd, gp.dout);
+  // float32 rows 16-byte aligned, bfloat16 rows 8-byte aligned (row offsets are multiples of 4 entries)
+  auto aligned = [](const void* ptr, uintptr_t a) { return reinterpret_cast<uintptr_t>(ptr) % a == 0; };  // (null too)
+  const bool quads = tile_quad_rows() && aligned(gp.dk, 16) && aligned(gp.dv, 16) && aligned(gp.dk_bf16, 8) &&
+                     aligned(gp.dv_bf16, 8);
+  z.quads_k = quads && z.D % 4 == 0;
+  z.quads_v = quads && z.Dv % 4 == 0;
   const int64_t grid = gp.fwd.batch * gp.fwd.nheads * z.nblk;
   if (grid == 0) return;
   HAX_DISPATCH_HEAD_DIM(gp.fwd.dim > gp.fwd.vdim ? gp.fwd.dim : gp.fwd.vdim, [&] {
