@@ -711,6 +711,16 @@ TEST(TileBlocksCuda, UnionBandSmallInstance) {
   hax::ops::set_check_device_values(false);
 }
 
+// More (b, h) rows than a grid's y dimension takes (B·H = 65552 > 65535): the key-sum row kernel
+// (keys of no block get their gradient rows zeroed there; the outputs are poisoned) covers them all.
+TEST(TileBlocksCuda, UnionBandOverManyHeads) {
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(108);
+  const auto [band, a] = synthetic_band(4097, 16, 3, 2, 2);
+  const pat::KeyLists b{random_lists(4097, 16, 3, 1, 3), at::Tensor()};
+  expect_union_band_close(union_band_case("B*H 65552", band, 2, a, b, 16));
+}
+
 // A small instance of the union path (the plan of two lists, blocks that fit and blocks that
 // overflow, the merge of the overflowing rows), quick enough for compute-sanitizer.
 TEST(TileBlocksCuda, UnionSmallInstance) {
