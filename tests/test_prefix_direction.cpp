@@ -103,6 +103,32 @@ TEST(PrefixDirectionCuda, StridedQAndOddSizes) {
     }
 }
 
+// More heads than the grouped kernels put in a warp (32 / G of them, G lanes a head: 4 heads of
+// N = 64 in bfloat16, 2 in float32), and head counts that leave a warp's group part empty; N from 8
+// (G = 1 or 2) to 256 (float32 falls back to lane pairs there). float32 against the CPU path,
+// bfloat16 within rounding of float64 (as below). L = 9000 at 16 heads takes chunks of 64 and the
+// carry kernel (141 chunks), the others the summed look-back.
+TEST(PrefixDirectionCuda, GroupedHeadsEqualCpu) {
+  HAX_REQUIRE_CUDA();
+  PoisonOutputs poison;
+  torch::manual_seed(64);
+  struct Case {
+    int64_t B, L, H, N;
+  };
+  for (const Case& c : {Case{1, 97, 3, 8}, Case{2, 1025, 5, 64}, Case{1, 1025, 16, 64}, Case{1, 9000, 16, 64},
+                        Case{2, 97, 33, 16}, Case{1, 1025, 7, 128}, Case{1, 63, 9, 256}})
+    for (const auto& [name, seq] : packings(c.B, c.L)) {
+      SCOPED_TRACE(trace(c.B, c.L, c.H, c.N, name));
+      const at::Tensor q = at::randn({c.B, c.L, c.H, c.N});
+      expect_float32_equal_cpu(cuda(q), q, seq);
+      const at::Tensor qb = q.to(at::kBFloat16);
+      const at::Tensor want = hax::prefix_query_direction(qb.to(at::kDouble), seq);
+      const at::Tensor got = hax::prefix_query_direction(cuda(qb), cuda(seq));
+      ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+      EXPECT_LE(rel_err(got.cpu().to(at::kDouble), want, 2e-5, std::ldexp(1.0, -7)), 1.0);
+    }
+}
+
 // bfloat16 q against the float64 result on the same (rounded) inputs: the kernels sum in float32
 // (errors ~1e-6 of the unit vector) and round the result once, so each value is within bfloat16's
 // unit roundoff (2^-8 relative: 8 significant bits) plus the float32 error; 2^-7 relative and

@@ -308,6 +308,207 @@ __global__ void __launch_bounds__(kWarps * 32) direction_kernel(PrefixDirectionP
   }
 }
 
+// ---- The grouped forms (rows of 16-byte aligned columns) ----
+// G lanes per head (a power of two with G·V >= N), each over V = 16 / sizeof(T) columns with one
+// 16-byte load a row, so a warp walks the positions of 32 / G heads at once and a head's norm is a
+// sum over its G lanes (log2 G shuffles). The forms above spend a 5-step warp sum and ~40
+// instructions on each (position, head) for 2 columns a lane; these spread that over 32 / G heads.
+// A warp per (b, chunk, group of heads); the chunk totals and carries are those above.
+constexpr int kGroupWarps = 4;  // warps per block of the grouped kernels
+constexpr int kGroupRows = 8;   // rows a lane loads at once (the next batch in flight while one is used)
+
+template <class T>
+__device__ __forceinline__ void unpack16(const uint4& raw, float (&v)[16 / sizeof(T)]) {
+  if constexpr (sizeof(T) == 4) {
+    v[0] = __uint_as_float(raw.x), v[1] = __uint_as_float(raw.y), v[2] = __uint_as_float(raw.z), v[3] = __uint_as_float(raw.w);
+  } else {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+      v[2 * e] = f.x, v[2 * e + 1] = f.y;
+    }
+  }
+}
+template <class T>
+__device__ __forceinline__ uint4 pack16(const float (&v)[16 / sizeof(T)]) {
+  if constexpr (sizeof(T) == 4) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+      w[e] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// The lane's task of t = (b·nC + c)·nG + group: head group·(32 / G) + lane / G (on: a head, and
+// columns col .. col + V - 1 within N).
+template <class T, int G>
+struct GroupChunk {
+  static constexpr int V = 16 / sizeof(T), HW = 32 / G;
+  int64_t b, c, h, t0, np;
+  int col;
+  bool on;
+  __device__ GroupChunk(const PrefixDirectionParams& p, int64_t t, int64_t nC, int lane) {
+    const int64_t nG = (p.H + HW - 1) / HW, g = t % nG;
+    c = (t / nG) % nC, b = t / (nG * nC);
+    h = g * HW + lane / G, col = (lane % G) * V;
+    on = h < p.H && col < p.N;
+    t0 = c * p.chunk;
+    np = p.L - t0 < p.chunk ? p.L - t0 : p.chunk;
+  }
+  // Rows i0 .. i0 + kGroupRows - 1 (clamped to those before `end`) of the lane's columns; zeros when off.
+  __device__ __forceinline__ void load(uint4 (&r)[kGroupRows], const T* row, int64_t stride, int64_t i0,
+                                       int64_t end) const {
+#pragma unroll
+    for (int u = 0; u < kGroupRows; ++u)
+      r[u] = on ? *reinterpret_cast<const uint4*>(row + (i0 + u < end ? i0 + u : end - 1) * stride) : make_uint4(0, 0, 0, 0);
+  }
+};
+
+template <class T, int G>
+__global__ void __launch_bounds__(kGroupWarps * 32) chunk_totals_grouped_kernel(PrefixDirectionParams p) {
+  using K = GroupChunk<T, G>;
+  constexpr int V = K::V;
+  const int lane = threadIdx.x % 32;
+  const int64_t nC = prefix_chunks(p.L, p.chunk), n = p.B * nC * ((p.H + K::HW - 1) / K::HW);
+  for (int64_t t = (int64_t)blockIdx.x * kGroupWarps + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * kGroupWarps) {
+    const K k(p, t, nC, lane);
+    const uint64_t starts = chunk_starts(p, k.b, k.t0, k.np, lane);
+    const int64_t from = starts ? 63 - __clzll((long long)starts) : 0, end = k.t0 + k.np;
+    const T* row = (const T*)p.q + k.b * p.q_sb + (k.on ? k.h * p.q_sh + k.col : 0);
+    float run[V] = {};
+    uint4 cur[kGroupRows], next[kGroupRows];
+    k.load(cur, row, p.q_sl, k.t0 + from, end);
+    for (int64_t i0 = k.t0 + from; i0 < end; i0 += kGroupRows) {
+      if (i0 + kGroupRows < end) k.load(next, row, p.q_sl, i0 + kGroupRows, end);
+#pragma unroll
+      for (int u = 0; u < kGroupRows; ++u)
+        if (i0 + u < end) {
+          float v[V];
+          unpack16<T>(cur[u], v);
+#pragma unroll
+          for (int e = 0; e < V; ++e) run[e] += v[e];
+        }
+#pragma unroll
+      for (int u = 0; u < kGroupRows; ++u) cur[u] = next[u];
+    }
+    if (k.on) {
+      float* tot = p.totals + ((k.b * p.H + k.h) * nC + k.c) * p.N + k.col;
+#pragma unroll
+      for (int e = 0; e < V; e += 4) *reinterpret_cast<float4*>(tot + e) = make_float4(run[e], run[e + 1], run[e + 2], run[e + 3]);
+    }
+    if (t % ((p.H + K::HW - 1) / K::HW) == 0 && lane == 0) p.resets[k.b * nC + k.c] = starts != 0;
+  }
+}
+
+template <class T, int G>
+__global__ void __launch_bounds__(kGroupWarps * 32) direction_grouped_kernel(PrefixDirectionParams p, bool summed) {
+  using K = GroupChunk<T, G>;
+  constexpr int V = K::V;
+  const int lane = threadIdx.x % 32;
+  const int64_t nC = prefix_chunks(p.L, p.chunk), n = p.B * nC * ((p.H + K::HW - 1) / K::HW);
+  const float eps2 = p.eps * p.eps;
+  for (int64_t t = (int64_t)blockIdx.x * kGroupWarps + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * kGroupWarps) {
+    const K k(p, t, nC, lane);
+    const uint64_t starts = chunk_starts(p, k.b, k.t0, k.np, lane);
+    float run[V] = {};
+    if (k.c > 0 && !(starts & 1)) {  // the carry (else the chunk starts a sequence)
+      const float* tot = p.totals + (k.b * p.H + (k.on ? k.h : 0)) * nC * p.N + k.col;
+      int64_t r = k.c;  // summed: from the last chunk before c in which a sequence starts (chunk 0 does)
+      if (summed) {
+        const int32_t* rs = p.resets + k.b * nC;
+        r = -1;
+        for (int64_t top = k.c - 1; r < 0; top -= 32) {  // chunks top, top - 1, ..., a lane each
+          const int64_t x = top - lane;
+          const uint32_t hit = __ballot_sync(dev::kFullMask, x == 0 || (x > 0 && rs[x] != 0));
+          if (hit) r = top - (__ffs(hit) - 1);
+        }
+      }
+      if (k.on)
+#pragma unroll 4
+        for (int64_t c0 = r; c0 < (summed ? k.c : k.c + 1); ++c0)
+#pragma unroll
+          for (int e = 0; e < V; e += 4) {
+            const float4 x = *reinterpret_cast<const float4*>(tot + c0 * p.N + e);
+            run[e] += x.x, run[e + 1] += x.y, run[e + 2] += x.z, run[e + 3] += x.w;
+          }
+    }
+    const T* row = (const T*)p.q + k.b * p.q_sb + k.t0 * p.q_sl + (k.on ? k.h * p.q_sh + k.col : 0);
+    T* out = (T*)p.out + ((k.b * p.L + k.t0) * p.H + (k.on ? k.h : 0)) * p.N + k.col;
+    uint4 cur[kGroupRows], next[kGroupRows];
+    k.load(cur, row, p.q_sl, 0, k.np);
+    for (int64_t i0 = 0; i0 < k.np; i0 += kGroupRows) {
+      if (i0 + kGroupRows < k.np) k.load(next, row, p.q_sl, i0 + kGroupRows, k.np);
+#pragma unroll
+      for (int u = 0; u < kGroupRows; ++u) {
+        if (i0 + u >= k.np) break;  // warp-uniform
+        float v[V];
+        unpack16<T>(cur[u], v);
+        const bool reset = (starts >> (i0 + u)) & 1;
+        float ss = 0.f;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          run[e] = reset ? v[e] : run[e] + v[e];
+          ss += run[e] * run[e];
+        }
+#pragma unroll
+        for (int o = G / 2; o > 0; o /= 2) ss += __shfl_xor_sync(dev::kFullMask, ss, o);
+        const float inv = rsqrtf(fmaxf(ss, eps2));  // 1 / max(|run|, eps)
+        float y[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) y[e] = run[e] * inv;
+        if (k.on) *reinterpret_cast<uint4*>(out + (i0 + u) * p.H * p.N) = pack16<T>(y);
+      }
+#pragma unroll
+      for (int u = 0; u < kGroupRows; ++u) cur[u] = next[u];
+    }
+  }
+}
+
+template <class T, int G>
+void launch_grouped(const PrefixDirectionParams& p, cudaStream_t stream) {
+  constexpr int HW = 32 / G;
+  const int64_t nC = prefix_chunks(p.L, p.chunk), tasks = p.B * nC * ((p.H + HW - 1) / HW);
+  const unsigned grid = dev::grid_for(tasks, kGroupWarps);
+  const bool summed = nC <= kLookBack;
+  if (nC > 1) {
+    chunk_totals_grouped_kernel<T, G><<<grid, kGroupWarps * 32, 0, stream>>>(p);
+    ops::cuda::check_launch("prefix_direction (chunk totals)");
+  }
+  if (!summed) {
+    const int64_t C = p.N < kCarryCols ? p.N : kCarryCols;
+    carry_kernel<<<dev::grid_for(p.B * p.H * ((p.N + C - 1) / C), 1), kCarryThreads, 0, stream>>>(p);
+    ops::cuda::check_launch("prefix_direction (carries)");
+  }
+  direction_grouped_kernel<T, G><<<grid, kGroupWarps * 32, 0, stream>>>(p, summed);
+  ops::cuda::check_launch("prefix_direction");
+}
+
+// The grouped forms apply where every row's columns start 16-byte aligned: N and q's strides
+// multiples of V, q, out and the totals 16-byte aligned, and N <= 32 V. HAX_PREFIX_GROUPS=0 keeps
+// the forms above (for comparisons).
+template <class T>
+bool try_grouped(const PrefixDirectionParams& p, cudaStream_t s) {
+  static const int on = ops::cuda::env_switch("HAX_PREFIX_GROUPS", 1, 1, "0 lane pairs over a head's row, 1 grouped heads");
+  constexpr int64_t V = 16 / sizeof(T);
+  const bool fits = on && p.N % V == 0 && p.N <= 32 * V && p.q_sb % V == 0 && p.q_sl % V == 0 && p.q_sh % V == 0 &&
+                    (uintptr_t)p.q % 16 == 0 && (uintptr_t)p.out % 16 == 0 && (uintptr_t)p.totals % 16 == 0;
+  if (!fits) return false;
+  const int64_t lanes = p.N / V;  // G: the power of two >= lanes
+  if (lanes <= 1) launch_grouped<T, 1>(p, s);
+  else if (lanes <= 2) launch_grouped<T, 2>(p, s);
+  else if (lanes <= 4) launch_grouped<T, 4>(p, s);
+  else if (lanes <= 8) launch_grouped<T, 8>(p, s);
+  else if (lanes <= 16) launch_grouped<T, 16>(p, s);
+  else launch_grouped<T, 32>(p, s);
+  return true;
+}
+
 template <class T, int J, int V>
 void launch(const PrefixDirectionParams& p, cudaStream_t stream) {
   const int64_t nC = prefix_chunks(p.L, p.chunk), chunks = p.B * nC * p.H;
@@ -329,6 +530,7 @@ void launch(const PrefixDirectionParams& p, cudaStream_t stream) {
 // Lanes own pairs of columns (one vector load) where N, q's strides and its address allow.
 template <class T>
 void dispatch(const PrefixDirectionParams& p, cudaStream_t s) {
+  if (try_grouped<T>(p, s)) return;
   const bool pairs = p.N % 2 == 0 && p.q_sb % 2 == 0 && p.q_sl % 2 == 0 && p.q_sh % 2 == 0 &&
                      (uintptr_t)p.q % (2 * sizeof(T)) == 0 && (uintptr_t)p.out % (2 * sizeof(T)) == 0;
   if (pairs) {
