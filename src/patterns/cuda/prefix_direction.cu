@@ -229,9 +229,10 @@ __global__ void __launch_bounds__(kCarryThreads) carry_kernel(PrefixDirectionPar
 // The running sum before chunk c of (b, h) into run (the lane's columns), from `totals` (B, H, nC, N)
 // as chunk_totals_kernel left them: Σ totals[r..c-1], r the last chunk before c in which a sequence
 // starts (there is one: chunk 0 starts at position 0).
-template <int J, int V>
-__device__ __forceinline__ void look_back(const PrefixDirectionParams& p, int64_t b, int64_t h, int64_t c, int64_t nC,
-                                          int lane, float (&run)[J * V]) {
+// Warp-wide: the last chunk before c (c > 0) of row b in which a sequence starts (there is one:
+// chunk 0 starts at position 0).
+__device__ __forceinline__ int64_t last_start_chunk(const PrefixDirectionParams& p, int64_t b, int64_t c, int64_t nC,
+                                                    int lane) {
   const int32_t* rs = p.resets + b * nC;
   int64_t r = -1;
   for (int64_t top = c - 1; r < 0; top -= 32) {  // chunks top, top - 1, ..., a lane each
@@ -239,6 +240,13 @@ __device__ __forceinline__ void look_back(const PrefixDirectionParams& p, int64_
     const uint32_t hit = __ballot_sync(dev::kFullMask, x == 0 || (x > 0 && rs[x] != 0));
     if (hit) r = top - (__ffs(hit) - 1);
   }
+  return r;
+}
+
+template <int J, int V>
+__device__ __forceinline__ void look_back(const PrefixDirectionParams& p, int64_t b, int64_t h, int64_t c, int64_t nC,
+                                          int lane, float (&run)[J * V]) {
+  const int64_t r = last_start_chunk(p, b, c, nC, lane);
   const float* tot = p.totals + (b * p.H + h) * nC * p.N;
   using Rows = Batch<float, J, V>;
   for (int64_t c0 = r; c0 < c; c0 += Rows::kRows) {
@@ -350,11 +358,12 @@ __device__ __forceinline__ uint4 pack16(const float (&v)[16 / sizeof(T)]) {
 template <class T, int G>
 struct GroupChunk {
   static constexpr int V = 16 / sizeof(T), HW = 32 / G;
+  HAX_HOST_DEVICE static int64_t groups(int64_t H) { return (H + HW - 1) / HW; }  // head groups of a (b, chunk)
   int64_t b, c, h, t0, np;
   int col;
   bool on;
   __device__ GroupChunk(const PrefixDirectionParams& p, int64_t t, int64_t nC, int lane) {
-    const int64_t nG = (p.H + HW - 1) / HW, g = t % nG;
+    const int64_t nG = groups(p.H), g = t % nG;
     c = (t / nG) % nC, b = t / (nG * nC);
     h = g * HW + lane / G, col = (lane % G) * V;
     on = h < p.H && col < p.N;
@@ -375,7 +384,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) chunk_totals_grouped_kernel(
   using K = GroupChunk<T, G>;
   constexpr int V = K::V;
   const int lane = threadIdx.x % 32;
-  const int64_t nC = prefix_chunks(p.L, p.chunk), n = p.B * nC * ((p.H + K::HW - 1) / K::HW);
+  const int64_t nC = prefix_chunks(p.L, p.chunk), n = p.B * nC * K::groups(p.H);
   for (int64_t t = (int64_t)blockIdx.x * kGroupWarps + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * kGroupWarps) {
     const K k(p, t, nC, lane);
     const uint64_t starts = chunk_starts(p, k.b, k.t0, k.np, lane);
@@ -402,7 +411,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) chunk_totals_grouped_kernel(
 #pragma unroll
       for (int e = 0; e < V; e += 4) *reinterpret_cast<float4*>(tot + e) = make_float4(run[e], run[e + 1], run[e + 2], run[e + 3]);
     }
-    if (t % ((p.H + K::HW - 1) / K::HW) == 0 && lane == 0) p.resets[k.b * nC + k.c] = starts != 0;
+    if (t % K::groups(p.H) == 0 && lane == 0) p.resets[k.b * nC + k.c] = starts != 0;
   }
 }
 
@@ -411,7 +420,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) direction_grouped_kernel(Pre
   using K = GroupChunk<T, G>;
   constexpr int V = K::V;
   const int lane = threadIdx.x % 32;
-  const int64_t nC = prefix_chunks(p.L, p.chunk), n = p.B * nC * ((p.H + K::HW - 1) / K::HW);
+  const int64_t nC = prefix_chunks(p.L, p.chunk), n = p.B * nC * K::groups(p.H);
   const float eps2 = p.eps * p.eps;
   for (int64_t t = (int64_t)blockIdx.x * kGroupWarps + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * kGroupWarps) {
     const K k(p, t, nC, lane);
@@ -419,16 +428,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32) direction_grouped_kernel(Pre
     float run[V] = {};
     if (k.c > 0 && !(starts & 1)) {  // the carry (else the chunk starts a sequence)
       const float* tot = p.totals + (k.b * p.H + (k.on ? k.h : 0)) * nC * p.N + k.col;
-      int64_t r = k.c;  // summed: from the last chunk before c in which a sequence starts (chunk 0 does)
-      if (summed) {
-        const int32_t* rs = p.resets + k.b * nC;
-        r = -1;
-        for (int64_t top = k.c - 1; r < 0; top -= 32) {  // chunks top, top - 1, ..., a lane each
-          const int64_t x = top - lane;
-          const uint32_t hit = __ballot_sync(dev::kFullMask, x == 0 || (x > 0 && rs[x] != 0));
-          if (hit) r = top - (__ffs(hit) - 1);
-        }
-      }
+      // summed: the totals since the last chunk in which a sequence starts; else chunk c's carry
+      const int64_t r = summed ? last_start_chunk(p, k.b, k.c, nC, lane) : k.c;
       if (k.on)
 #pragma unroll 4
         for (int64_t c0 = r; c0 < (summed ? k.c : k.c + 1); ++c0)
@@ -470,14 +471,17 @@ __global__ void __launch_bounds__(kGroupWarps * 32) direction_grouped_kernel(Pre
   }
 }
 
-template <class T, int G>
-void launch_grouped(const PrefixDirectionParams& p, cudaStream_t stream) {
-  constexpr int HW = 32 / G;
-  const int64_t nC = prefix_chunks(p.L, p.chunk), tasks = p.B * nC * ((p.H + HW - 1) / HW);
-  const unsigned grid = dev::grid_for(tasks, kGroupWarps);
+// The launches of either form: totals(grid) where there is more than one chunk, the carries for
+// rows of more than kLookBack chunks, then direction(grid, summed); `warps` warps a block over
+// `tasks` warp tasks.
+template <class Totals, class Direction>
+void launch_passes(const PrefixDirectionParams& p, cudaStream_t stream, int64_t tasks, int warps, Totals&& totals,
+                   Direction&& direction) {
+  const int64_t nC = prefix_chunks(p.L, p.chunk);
+  const unsigned grid = dev::grid_for(tasks, warps);
   const bool summed = nC <= kLookBack;
   if (nC > 1) {
-    chunk_totals_grouped_kernel<T, G><<<grid, kGroupWarps * 32, 0, stream>>>(p);
+    totals(grid);
     ops::cuda::check_launch("prefix_direction (chunk totals)");
   }
   if (!summed) {
@@ -485,8 +489,19 @@ void launch_grouped(const PrefixDirectionParams& p, cudaStream_t stream) {
     carry_kernel<<<dev::grid_for(p.B * p.H * ((p.N + C - 1) / C), 1), kCarryThreads, 0, stream>>>(p);
     ops::cuda::check_launch("prefix_direction (carries)");
   }
-  direction_grouped_kernel<T, G><<<grid, kGroupWarps * 32, 0, stream>>>(p, summed);
+  direction(grid, summed);
   ops::cuda::check_launch("prefix_direction");
+}
+
+template <class T, int G>
+void launch_grouped(const PrefixDirectionParams& p, cudaStream_t stream) {
+  const int64_t tasks = p.B * prefix_chunks(p.L, p.chunk) * GroupChunk<T, G>::groups(p.H);
+  launch_passes(
+      p, stream, tasks, kGroupWarps,
+      [&](unsigned grid) { chunk_totals_grouped_kernel<T, G><<<grid, kGroupWarps * 32, 0, stream>>>(p); },
+      [&](unsigned grid, bool summed) {
+        direction_grouped_kernel<T, G><<<grid, kGroupWarps * 32, 0, stream>>>(p, summed);
+      });
 }
 
 // The grouped forms apply where every row's columns start 16-byte aligned: N and q's strides
@@ -511,20 +526,10 @@ bool try_grouped(const PrefixDirectionParams& p, cudaStream_t s) {
 
 template <class T, int J, int V>
 void launch(const PrefixDirectionParams& p, cudaStream_t stream) {
-  const int64_t nC = prefix_chunks(p.L, p.chunk), chunks = p.B * nC * p.H;
-  const unsigned grid = dev::grid_for(chunks, kWarps);
-  const bool summed = nC <= kLookBack;
-  if (nC > 1) {
-    chunk_totals_kernel<T, J, V><<<grid, kWarps * 32, 0, stream>>>(p);
-    ops::cuda::check_launch("prefix_direction (chunk totals)");
-  }
-  if (!summed) {
-    const int64_t C = p.N < kCarryCols ? p.N : kCarryCols;
-    carry_kernel<<<dev::grid_for(p.B * p.H * ((p.N + C - 1) / C), 1), kCarryThreads, 0, stream>>>(p);
-    ops::cuda::check_launch("prefix_direction (carries)");
-  }
-  direction_kernel<T, J, V><<<grid, kWarps * 32, 0, stream>>>(p, summed);
-  ops::cuda::check_launch("prefix_direction");
+  launch_passes(
+      p, stream, p.B * prefix_chunks(p.L, p.chunk) * p.H, kWarps,
+      [&](unsigned grid) { chunk_totals_kernel<T, J, V><<<grid, kWarps * 32, 0, stream>>>(p); },
+      [&](unsigned grid, bool summed) { direction_kernel<T, J, V><<<grid, kWarps * 32, 0, stream>>>(p, summed); });
 }
 
 // Lanes own pairs of columns (one vector load) where N, q's strides and its address allow.
