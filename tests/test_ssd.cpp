@@ -283,6 +283,50 @@ TEST(SsdCuda, WgmmaFormsAgree) {
         }
 }
 
+TEST(SsdCuda, SweepAgreesWithTwoKernelForm) {
+  // The states by one sweep (segment_scan_wgmma.cuh: local states and pass together, rows cut
+  // into segments whose runs are folded) against the local-state kernel plus the state pass, on
+  // the same bfloat16 inputs and cotangents: one segment (many rows and heads: B H >= 256) and
+  // many (up to one sub-chunk each), sequence resets (packed), slow decays, initial states, chunks of one
+  // 64-step piece (both directions swept) and of several (the backward only), lengths that end
+  // inside a piece. y, the final state and every gradient within a few bfloat16 roundings.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(43);
+  struct Size {
+    int64_t B, L, H, P, G, N, chunk;
+  };
+  for (const Size& z : {Size{2, 1025, 4, 64, 2, 128, 64}, Size{1, 97, 2, 128, 1, 64, 64}, Size{1, 4097, 1, 64, 1, 64, 64},
+                        Size{2, 1025, 4, 64, 2, 128, 256}, Size{4, 130, 64, 64, 4, 64, 64}, Size{1, 63, 2, 64, 1, 128, 64}})
+    for (int form = 0; form < 3; ++form) {  // 0 plain, 1 packed, 2 slow decays (dt / 100: runs reach far back)
+      const bool packed = form == 1;
+      OpCase c = without_dA(ssd_case({z.B, z.L, z.H, z.P, z.G, z.N, z.chunk, true, packed, true}));
+      if (form == 2) {
+        auto make = c.make_inputs;
+        c.make_inputs = [make](at::ScalarType dtype) {
+          Tensors in = make(dtype);
+          in[1] = (in[1] * 0.01).detach().requires_grad_();
+          return in;
+        };
+      }
+      SCOPED_TRACE(::testing::Message() << "B=" << z.B << " L=" << z.L << " H=" << z.H << " P=" << z.P << " N=" << z.N
+                                        << " chunk=" << z.chunk << " form=" << form);
+      const Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
+      const Tensors w = random_cotangents(c.op(clone_leaves(in)));
+      std::pair<Tensors, Tensors> swept;
+      {
+        ScopedSwitch on(hax::ops::ssd_sweep, hax::ops::set_ssd_sweep, true);
+        swept = run_on_device(c.op, in, w);
+      }
+      if (form > 0 && z.L == 1025 && z.chunk == 64) {  // the sweep against the float64 recurrence too
+        SCOPED_TRACE("sweep against float64");
+        ScopedSwitch on(hax::ops::ssd_sweep, hax::ops::set_ssd_sweep, true);
+        expect_cuda_bf16_close(c);
+      }
+      ScopedSwitch two(hax::ops::ssd_sweep, hax::ops::set_ssd_sweep, false);
+      expect_runs_close(swept, run_on_device(c.op, in, w), 2e-2);
+    }
+}
+
 TEST(SsdCuda, Bfloat16DaMatchesReferenceOnTheSameCotangents) {
   // dA in bfloat16 against the float64 reference given the bfloat16-rounded cotangents.
   HAX_REQUIRE_CUDA();

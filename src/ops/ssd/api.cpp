@@ -13,6 +13,7 @@ namespace {
 
 constexpr const char* kOp = "ssd";
 std::atomic<bool> g_wgmma{true};  // SsdParams::wgmma of every call (set_ssd_wgmma)
+std::atomic<bool> g_sweep{false};  // SsdParams::sweep of every call (set_ssd_sweep)
 
 struct Dims {
   int64_t B, L, H, P, G, N;
@@ -50,6 +51,7 @@ SsdParams make_params(const Dims& d, int64_t chunk, const at::Tensor& x, const a
   p.init_state = init.defined() ? init.data_ptr() : nullptr;
   p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
   p.wgmma = g_wgmma.load();
+  p.sweep = g_sweep.load();
   return p;
 }
 
@@ -57,6 +59,8 @@ SsdParams make_params(const Dims& d, int64_t chunk, const at::Tensor& x, const a
 
 void set_ssd_wgmma(bool on) { g_wgmma.store(on); }
 bool ssd_wgmma() { return g_wgmma.load(); }
+void set_ssd_sweep(bool on) { g_sweep.store(on); }
+bool ssd_sweep() { return g_sweep.load(); }
 
 namespace {
 

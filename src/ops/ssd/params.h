@@ -48,6 +48,8 @@ struct SsdParams {
   bool wgmma = true;            // CUDA bfloat16 on sm_90a builds: chunk_scan, the local states and dB/dC
                                 // on warpgroup products where their sizes allow (cuda/*_wgmma.cuh);
                                 // false: mma.sync
+  bool sweep = false;           // CUDA, where wgmma applies: the states by one sweep of local states and
+                                // pass (cuda/segment_scan_wgmma.cuh); false: two kernels
 
   HAX_HOST_DEVICE int64_t nchunks() const { return ssd_div(seqlen + chunk - 1, chunk); }
   // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many
@@ -107,6 +109,9 @@ struct SsdScratch {
                              // and u's second part where it comes in two (cuda/grad_rows.cuh)
   float* dg = nullptr;       // backward (B, H, S): d(cs_last) from the entering state's decay
   float* dA_sub = nullptr;   // backward (B, H, S): dA of each sub-chunk
+  float* coef = nullptr;     // sweep (B, H, S, 64): the steps' factors in the local states (w dt or re)
+  float* seg_agg = nullptr;  // sweep (B, H, P / 64, K, N, 64): each segment's run from zeros (thread order)
+  float* seg_decay = nullptr;  // sweep (B, H, P / 64, K): the product of each segment's decays
   int64_t total = 0;         // float32 entries in all
 };
 
@@ -124,6 +129,16 @@ inline int64_t ssd_cuda_prep_layout(const SsdParams& p, float* base, SsdScratch&
   s.decay = take(BH * S);
   s.cb = take(BG * S * T * T);
   return n;
+}
+
+// Segments K of a row in the CUDA sweep of states (cuda/segment_scan_wgmma.cuh), 1..S: about 256
+// blocks (two an SM on an H100) over (row, head, 64 columns of P) and segments. Shapes only, so
+// that results do not depend on the device.
+inline int64_t ssd_segments(const SsdParams& p) {
+  const int64_t per = p.batch * p.nheads * ((p.headdim + kSsdSubChunk - 1) / kSsdSubChunk), S = p.nsubs();
+  if (per <= 0 || S <= 0) return 1;
+  const int64_t k = 256 / per;
+  return k < 1 ? 1 : k > S ? S : k;
 }
 
 // Float32 entries of cs, decay and cb (the size of p.prep).
@@ -154,6 +169,13 @@ inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, int64_t st
     s.rows = take(5 * BH * S * T);
     s.dg = take(BH * S);
     s.dA_sub = take(BH * S);
+  }
+  // The sweep's pieces where its sizes may apply (bfloat16, P and N multiples of 64, N <= 128).
+  if (state_bytes == 2 && p.headdim % T == 0 && p.dstate % T == 0 && p.dstate <= 2 * T) {
+    const int64_t K = ssd_segments(p);
+    s.coef = take(BH * S * T);
+    s.seg_agg = take(BH * K * NP);
+    s.seg_decay = take(BH * (p.headdim / T) * K);
   }
   return s;
 }

@@ -88,22 +88,9 @@ __device__ __forceinline__ void local_state_wg(const SsdParams& p, const SsdScra
   cuda::cp_async_wait<0>();
   cuda::fence_proxy_async_shared();
   __syncthreads();
-  // 3. acc[t] = U[t]^T Vhi + U[t]^T Vlo (k steps of 16 rows: +2048 bytes on both operands).
+  // 3. acc[t] = U[t]^T Vhi + U[t]^T Vlo.
   float acc[kSlabs][8][4];
-  const uint64_t dhi = cuda::wgmma_desc_sw128(sV[0]), dlo = cuda::wgmma_desc_sw128(sV[1]);
-  cuda::wgmma_fence();
-#pragma unroll
-  for (int t = 0; t < kSlabs; ++t) {
-    const uint64_t du = cuda::wgmma_desc_sw128(sU[t]);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) cuda::wgmma_m64n64k16<true>(acc[t], du + kk * (2048 >> 4), dhi + kk * (2048 >> 4), kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) cuda::wgmma_m64n64k16<true>(acc[t], du + kk * (2048 >> 4), dlo + kk * (2048 >> 4), true);
-  }
-  cuda::wgmma_commit();
-  cuda::wgmma_wait<0>();
-#pragma unroll
-  for (int t = 0; t < kSlabs; ++t) cuda::wgmma_fence_operands(acc[t]);
+  wg_local_product<kSlabs>(acc, sU[0], sV[0], sV[1], false);
   // 4. Out through the U tiles (every warp's products are done once all have passed the barrier).
   __syncthreads();
 #pragma unroll

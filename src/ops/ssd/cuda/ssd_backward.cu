@@ -18,6 +18,7 @@
 //   4.   local_state_kernel<kGrad>: Σ_i re_i C_i dy_i^T per sub-chunk (or its wgmma form,
 //        local_state_wgmma.cuh, launch_local_state)
 //   5.   state_pass_kernel<kReverse>: dS of every sub-chunk, dinit
+//        (4 and 5 are one sweep for bfloat16 at the wgmma sizes: segment_scan_wgmma.cuh)
 //   6.   dx_kernel    per (row, head, sub-chunk): dx, and the per-step v, u, x.dXd, and g <dS, S>
 //                    (u not where 8 runs its wgmma form: kY false); in dx.cuh
 //   7.   dcb_kernel   per (row, group, sub-chunk), heads in order: dM, intra_i, dCB summed over heads
@@ -64,6 +65,7 @@
 #include "ops/ssd/cuda/dx.cuh"
 #include "ops/ssd/cuda/grad_rows.cuh"
 #include "ops/ssd/cuda/local_state_wgmma.cuh"
+#include "ops/ssd/cuda/segment_scan_wgmma.cuh"
 #include "ops/ssd/cuda/state_pass.cuh"
 
 namespace hax::ops {
@@ -194,13 +196,21 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   }
   // The gradient of the state leaving each sub-chunk, and dinit. dcb needs neither states nor
   // dx's results: it runs on a side stream beside the pass (memory-bound, a block an SM) and dx.
-  if (has_states) {
+  // With the sweep (segment_scan_wgmma.cuh), 4 and 5 are one pass over the sub-chunks.
+  bool sweep = false;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) sweep = has_states && vec && segment_scan_applies(p, w, w.dstates, true);
+  if (has_states && !sweep) {
     launch_local_state<T, true>(p, w, (const T*)gp.dy, (T*)w.dstates, vec, stream);
   }
   const cudaStream_t side = cuda::SideStream::fork(stream);
   if (vec) dcb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, side>>>(gp, w);
   else dcb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, side>>>(gp, w);
-  if (has_states) launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
+  if (sweep) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      launch_segment_scan<true>(p, w, (const T*)gp.dy, (T*)w.dstates, (const T*)gp.dfinal, (T*)gp.dinit, stream);
+  } else if (has_states) {
+    launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
+  }
   // With dbdc's wgmma form, u comes from it (kU, and kU2 for the second 64 columns of N).
   bool wg_dbdc = false;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {

@@ -8,6 +8,8 @@
 //   3. local_state_kernel the sub-chunks' own contributions Σ_j w_j B_j (dt_j x_j)^T, (N, P) each
 //   4. state_pass_kernel  sequential over sub-chunks, parallel over (row, head, state entry): the
 //                         state entering each sub-chunk (in place), chunk_states, final_state
+//      (3 and 4 are one sweep where it applies: bfloat16, the wgmma sizes, one sub-chunk per chunk;
+//      segment_scan_wgmma.cuh, which writes the states once instead of three passes over them)
 //   5. chunk_scan_kernel  y = diag(re) C S_enter^T + (C B^T ∘ decay mask) (dt x), into one
 //                         accumulator tile; for bfloat16 with P, N multiples of 64 and N <= 128,
 //                         chunk_scan_wg_kernel instead (chunk_scan_wgmma.cuh: warpgroup products,
@@ -32,6 +34,7 @@
 #include "ops/ssd/cuda/chunk.cuh"
 #include "ops/ssd/cuda/chunk_scan_wgmma.cuh"
 #include "ops/ssd/cuda/local_state_wgmma.cuh"
+#include "ops/ssd/cuda/segment_scan_wgmma.cuh"
 #include "ops/ssd/cuda/state_pass.cuh"
 
 namespace hax::ops {
@@ -208,8 +211,17 @@ void forward(const SsdParams& p, cudaStream_t stream) {
     else cb_kernel<T, false><<<(unsigned)(B * S * G), kThreads, 0, side>>>(p, w);
   }
   if (B * S * H * tiles_n * tiles_p > 0) {
-    launch_local_state<T, false>(p, w, (const T*)p.x, states, vec, stream);
-    launch_state_pass<T, false>(p, w, states, false, nullptr, nullptr, stream);
+    bool swept = false;  // 3 and 4 as one sweep (segment_scan_wgmma.cuh)
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (vec && segment_scan_applies(p, w, states, false)) {
+        launch_segment_scan<false>(p, w, (const T*)p.x, states, (const T*)p.init_state, (T*)p.final_state, stream);
+        swept = true;
+      }
+    }
+    if (!swept) {
+      launch_local_state<T, false>(p, w, (const T*)p.x, states, vec, stream);
+      launch_state_pass<T, false>(p, w, states, false, nullptr, nullptr, stream);
+    }
   }
   cuda::SideStream::join(stream);
   if (B * S * H * tiles_p > 0) {

@@ -3,8 +3,9 @@
 // (ops/cuda/wgmma.cuh, ops/cuda/tile_layout.cuh Swizzle128), and the products and epilogues of
 // one warpgroup. The forms keep a whole 64-slab of N per tile, so they take P and N multiples of
 // 64 with N <= 128 (kWgSlabs slabs); other sizes run the mma.sync kernels. Landed: the forward's
-// chunk_scan (chunk_scan_wgmma.cuh), the local states of both directions (local_state_wgmma.cuh)
-// and the backward's dB/dC (dbdc_wgmma.cuh). Tried and not kept: the backward's dx on the same
+// chunk_scan (chunk_scan_wgmma.cuh), the local states of both directions (local_state_wgmma.cuh),
+// the sweep of local states and pass (segment_scan_wgmma.cuh) and the backward's dB/dC
+// (dbdc_wgmma.cuh). Tried and not kept: the backward's dx on the same
 // pieces (experiments/ssd-dx-wgmma.patch: correct, slower).
 #pragma once
 #include <cuda_bf16.h>
@@ -82,6 +83,30 @@ __device__ __forceinline__ void wg_split_product(float (&acc)[8][4], const uint3
   cuda::wgmma_commit();
   cuda::wgmma_wait<0>();
   cuda::wgmma_fence_operands(acc);
+}
+
+// acc[t] (+)= U[t]^T (Vhi + Vlo) over the kSlabs 64-slabs of N: U's tiles at u + t kWgTile (rows
+// j = the reduction, read M-major: B or C as stored), Vhi and Vlo swizzled tiles of rows j read
+// N-major (the local states: local_state_wgmma.cuh, segment_scan_wgmma.cuh); `accumulate` false:
+// the first product of each slab overwrites acc[t]. Issued and waited for; every warp calls it.
+template <int kSlabs>
+__device__ __forceinline__ void wg_local_product(float (&acc)[kSlabs][8][4], const __nv_bfloat16* u,
+                                                 const __nv_bfloat16* vhi, const __nv_bfloat16* vlo, bool accumulate) {
+  const uint64_t dhi = cuda::wgmma_desc_sw128(vhi), dlo = cuda::wgmma_desc_sw128(vlo);
+  cuda::wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < kSlabs; ++t) {  // k steps of 16 rows: +2048 bytes on both operands
+    const uint64_t du = cuda::wgmma_desc_sw128(u + t * kWgTile);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      cuda::wgmma_m64n64k16<true>(acc[t], du + kk * (2048 >> 4), dhi + kk * (2048 >> 4), accumulate || kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) cuda::wgmma_m64n64k16<true>(acc[t], du + kk * (2048 >> 4), dlo + kk * (2048 >> 4), true);
+  }
+  cuda::wgmma_commit();
+  cuda::wgmma_wait<0>();
+#pragma unroll
+  for (int t = 0; t < kSlabs; ++t) cuda::wgmma_fence_operands(acc[t]);
 }
 
 // Sets hi, lo to the bfloat16 pair of (m0, m1) and of its rounding errors (tile.cuh's split).
