@@ -28,6 +28,10 @@
 // The states differ from the two-kernel form's by rounding only: the local states are not rounded
 // to bfloat16 before they are added, and the runs of later segments are summed in another order.
 // Every order is fixed: the result is deterministic for given sizes.
+// Measured slower than the two kernels (H200, L = 64K, ncu, pass 37: the forward's states 490 us,
+// scan 330 + aggregates 145 + coef 15, against 198 + 153): the walk is bound by each sub-chunk's
+// chain in a block (two barriers, the split into shared memory, 16 wgmma waited for), not by
+// bytes. Off by default (SsdParams::sweep); see BENCHMARKS.md, thirty-seventh pass.
 #pragma once
 #include <cuda_bf16.h>
 
