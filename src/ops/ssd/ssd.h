@@ -30,8 +30,8 @@ bool ssd_wgmma();
 // Whether the CUDA SSD (bfloat16, with its wgmma kernels, one sub-chunk per chunk in the forward)
 // computes the states with one sweep of local states and pass (cuda/segment_scan_wgmma.cuh) instead
 // of a local-state kernel and a state pass; process-wide. Default off: correct but slower (H200,
-// L = 64K: fwd+bwd 2.06-2.09 against 1.90-1.92 ms, BENCHMARKS.md pass 37; the tests run both forms). HAX_SSD_SEGSCAN=1 or 0 in the environment chooses
-// whatever this says.
+// L = 64K: fwd+bwd 2.06-2.09 against 1.90-1.92 ms, BENCHMARKS.md pass 37; the tests run both
+// forms). HAX_SSD_SEGSCAN=1 or 0 in the environment chooses, whatever this says.
 void set_ssd_sweep(bool on);
 bool ssd_sweep();
 
