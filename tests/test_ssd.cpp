@@ -327,6 +327,41 @@ TEST(SsdCuda, SweepAgreesWithTwoKernelForm) {
     }
 }
 
+TEST(SsdCuda, JointDbdcAgreesWithSplitForm) {
+  // dB, dC and <dS, S> in one block (dbdc_joint_wgmma.cuh; dx then reads no states) against dB and
+  // dC blocks apart with <dS, S> in dx, on the same bfloat16 inputs and cotangents: groups of one
+  // and several heads, N 64 (one block a sub-chunk) and 128 (two: g in two parts), P 64 and 128,
+  // sequence resets (packed), initial states, chunks of one and several 64-step pieces, lengths
+  // that end inside a piece. Every gradient within a few bfloat16 roundings; the joint form is
+  // also checked against the float64 recurrence.
+  HAX_REQUIRE_CUDA();
+  torch::manual_seed(47);
+  struct Size {
+    int64_t B, L, H, P, G, N, chunk;
+  };
+  for (const Size& z : {Size{2, 1025, 4, 64, 2, 128, 64}, Size{1, 97, 2, 128, 1, 64, 64}, Size{1, 4097, 4, 64, 1, 128, 64},
+                        Size{2, 1025, 4, 128, 2, 128, 256}, Size{1, 63, 2, 64, 1, 128, 64}, Size{1, 1, 1, 64, 1, 64, 64}})
+    for (int form = 0; form < 2; ++form) {  // 0 plain, 1 packed
+      const bool packed = form == 1;
+      const OpCase c = without_dA(ssd_case({z.B, z.L, z.H, z.P, z.G, z.N, z.chunk, true, packed, true}));
+      SCOPED_TRACE(::testing::Message() << "B=" << z.B << " L=" << z.L << " H=" << z.H << " P=" << z.P << " G=" << z.G
+                                        << " N=" << z.N << " chunk=" << z.chunk << " form=" << form);
+      const Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
+      const Tensors w = random_cotangents(c.op(clone_leaves(in)));
+      std::pair<Tensors, Tensors> joint;
+      {
+        ScopedSwitch on(hax::ops::ssd_joint_dbdc, hax::ops::set_ssd_joint_dbdc, true);
+        joint = run_on_device(c.op, in, w);
+        if (z.L == 1025) {
+          SCOPED_TRACE("joint against float64");
+          expect_cuda_bf16_close(c);
+        }
+      }
+      ScopedSwitch apart(hax::ops::ssd_joint_dbdc, hax::ops::set_ssd_joint_dbdc, false);
+      expect_runs_close(joint, run_on_device(c.op, in, w), 2e-2);
+    }
+}
+
 TEST(SsdCuda, Bfloat16DaMatchesReferenceOnTheSameCotangents) {
   // dA in bfloat16 against the float64 reference given the bfloat16-rounded cotangents.
   HAX_REQUIRE_CUDA();

@@ -2,6 +2,8 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "core/error.h"
 #include "ops/backend.h"
@@ -14,6 +16,27 @@ namespace {
 constexpr const char* kOp = "ssd";
 std::atomic<bool> g_wgmma{true};  // SsdParams::wgmma of every call (set_ssd_wgmma)
 std::atomic<bool> g_sweep{false};  // SsdParams::sweep of every call (set_ssd_sweep)
+std::atomic<bool> g_joint{false};  // SsdParams::joint_dbdc of every call (set_ssd_joint_dbdc)
+
+// An environment switch read once: 1 on, 0 off, whatever the setter says; unset: -1.
+int env_choice(const char* name, const char* meaning) {
+  const char* e = std::getenv(name);
+  if (!e) return -1;
+  const std::string v(e);
+  HAX_CHECK(v == "0" || v == "1", "{} = '{}' must be 0 or 1 ({})", name, v, meaning);
+  return v == "1" ? 1 : 0;
+}
+// SsdParams::sweep and joint_dbdc, resolved here so that the CUDA scratch holds the sweep's pieces
+// only for calls that run it.
+bool sweep_on() {
+  static const int env = env_choice("HAX_SSD_SEGSCAN", "0: the SSD's local states and state pass as two kernels, 1: one sweep");
+  return env < 0 ? g_sweep.load() : env == 1;
+}
+bool joint_on() {
+  static const int env =
+      env_choice("HAX_SSD_DBDC_JOINT", "0: the SSD backward's dB and dC blocks apart, 1: one block for both and <dS, S>");
+  return env < 0 ? g_joint.load() : env == 1;
+}
 
 struct Dims {
   int64_t B, L, H, P, G, N;
@@ -51,7 +74,8 @@ SsdParams make_params(const Dims& d, int64_t chunk, const at::Tensor& x, const a
   p.init_state = init.defined() ? init.data_ptr() : nullptr;
   p.seq_idx = seq.defined() ? seq.data_ptr<int32_t>() : nullptr;
   p.wgmma = g_wgmma.load();
-  p.sweep = g_sweep.load();
+  p.sweep = sweep_on();
+  p.joint_dbdc = joint_on();
   return p;
 }
 
@@ -61,6 +85,8 @@ void set_ssd_wgmma(bool on) { g_wgmma.store(on); }
 bool ssd_wgmma() { return g_wgmma.load(); }
 void set_ssd_sweep(bool on) { g_sweep.store(on); }
 bool ssd_sweep() { return g_sweep.load(); }
+void set_ssd_joint_dbdc(bool on) { g_joint.store(on); }
+bool ssd_joint_dbdc() { return g_joint.load(); }
 
 namespace {
 

@@ -50,6 +50,9 @@ struct SsdParams {
                                 // false: mma.sync
   bool sweep = false;           // CUDA, where wgmma applies: the states by one sweep of local states and
                                 // pass (cuda/segment_scan_wgmma.cuh); false: two kernels
+  bool joint_dbdc = false;      // CUDA backward, where wgmma's dB/dC applies: one block for dB, dC and
+                                // <dS, S> (cuda/dbdc_joint_wgmma.cuh), so that dx reads no S; false: dB
+                                // and dC blocks apart, <dS, S> in dx
 
   HAX_HOST_DEVICE int64_t nchunks() const { return ssd_div(seqlen + chunk - 1, chunk); }
   // CUDA sub-chunks (see kSsdSubChunk): steps per full sub-chunk, sub-chunks per chunk, how many
@@ -108,6 +111,7 @@ struct SsdScratch {
   float* rows = nullptr;     // backward (5, B, H, S, 64): per-step terms of d(cs): intra, v, u, x.dXd,
                              // and u's second part where it comes in two (cuda/grad_rows.cuh)
   float* dg = nullptr;       // backward (B, H, S): d(cs_last) from the entering state's decay
+  float* dg2 = nullptr;      // backward (B, H, S): its part from columns 64..127 of N (the joint dB/dC)
   float* dA_sub = nullptr;   // backward (B, H, S): dA of each sub-chunk
   float* coef = nullptr;     // sweep (B, H, S, 64): the steps' factors in the local states (w dt or re)
   float* seg_agg = nullptr;  // sweep (B, H, P / 64, K, N, 64): each segment's run from zeros (thread order)
@@ -168,10 +172,12 @@ inline SsdScratch ssd_cuda_scratch(const SsdParams& p, bool backward, int64_t st
     s.dcb = take(BG * S * T * T);
     s.rows = take(5 * BH * S * T);
     s.dg = take(BH * S);
+    s.dg2 = take(BH * S);
     s.dA_sub = take(BH * S);
   }
-  // The sweep's pieces where its sizes may apply (bfloat16, P and N multiples of 64, N <= 128).
-  if (state_bytes == 2 && p.headdim % T == 0 && p.dstate % T == 0 && p.dstate <= 2 * T) {
+  // The sweep's pieces where it is on and its sizes may apply (bfloat16, P and N multiples of 64,
+  // N <= 128): about 8 MB at L = 64K, H = 16, P = 64, N = 128.
+  if (p.sweep && state_bytes == 2 && p.headdim % T == 0 && p.dstate % T == 0 && p.dstate <= 2 * T) {
     const int64_t K = ssd_segments(p);
     s.coef = take(BH * S * T);
     s.seg_agg = take(BH * K * NP);

@@ -95,13 +95,17 @@ __device__ __forceinline__ void stage_decayed_mask(__nv_bfloat16* hi, __nv_bfloa
 // through registers, its L2 latency exposed once a slab), and M by stage_decayed_mask. H200, ncu,
 // L = 64K, 2026-11-29: 675 -> 665 us with the ring, 574 us with the mask too (its first form, with
 // && and || in the mask; the landed bitwise form was timed only inside `hax bench ssm`).
-template <class T, bool kVec, bool kY = true>
+// kDot false (only with kRingX, where the joint dB/dC gives g: dbdc_joint_wgmma.cuh): no S at
+// all, and g is not written here.
+template <class T, bool kVec, bool kY = true, bool kDot = true>
 __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, SsdScratch w, const T* states) {
   const SsdParams& p = gp.fwd;
   using S_t = typename Operand<T>::S;
   constexpr bool kTiles = kVec && std::is_same_v<T, __nv_bfloat16>;
   constexpr bool kWithY = kY || !kTiles || !cuda::kHaveWgmma;
   constexpr bool kRingX = kTiles && !kWithY;  // the X product's slabs through a ring (below)
+  // (builds without wgmma instantiate kDot false but never launch it: ssd_backward.cu joint_built)
+  static_assert(kDot || kRingX || !cuda::kHaveWgmma, "dx_kernel leaves g out only in its ring form");
   constexpr int ld = Operand<T>::kLd;  // of the tiles too: the epilogues' accesses are conflict-free
   // sA: C or B [i][n], then M (kTiles: [i][j], else [j][i]) with its lo half in sL; sB: S or dS
   // (kTiles: [n][q] as in global memory, else [q][n]).
@@ -272,21 +276,25 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
         const S_t* const tds = ring((2 * t) % 3);
         const S_t* const tb = ring((2 * t + 1) % 3);
         uint4 sr[4];  // S's octets at the places of the thread's octets of the dS tile, for <dS, S>
+        if constexpr (kDot) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int k, q;
-          oct_pos<true>(e, k, q);
-          sr[e] = make_uint4(0u, 0u, 0u, 0u);
-          if (k < kn && p0 + q < P) sr[e] = __ldg(reinterpret_cast<const uint4*>(st + (n0 + k) * P + p0 + q));
+          for (int e = 0; e < 4; ++e) {
+            int k, q;
+            oct_pos<true>(e, k, q);
+            sr[e] = make_uint4(0u, 0u, 0u, 0u);
+            if (k < kn && p0 + q < P) sr[e] = __ldg(reinterpret_cast<const uint4*>(st + (n0 + k) * P + p0 + q));
+          }
         }
         if (t + 1 < nslabs) cuda::cp_async_wait<1>();  // dS of slab t + 1 may stay in flight
         else cuda::cp_async_wait<0>();
         __syncthreads();
+        if constexpr (kDot) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int k, q;
-          oct_pos<true>(e, k, q);
-          dot_bf16x8(dot, sr[e], *reinterpret_cast<const uint4*>(tds + k * ld + q));  // zeros past kn, P
+          for (int e = 0; e < 4; ++e) {
+            int k, q;
+            oct_pos<true>(e, k, q);
+            dot_bf16x8(dot, sr[e], *reinterpret_cast<const uint4*>(tds + k * ld + q));  // zeros past kn, P
+          }
         }
         mma_slab_kn(ax, tb, tds, kk);  // B [j][k], dS [k][q]
         __syncthreads();
@@ -419,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
   put_rows(vpart, tail);
   if constexpr (kWithY) put_rows(upart, tail + 2 * kT);
   put_rows(xpart, tail + 4 * kT);
-  put_block(dot, tail + 6 * kT);
+  if constexpr (kDot) put_block(dot, tail + 6 * kT);
   __syncthreads();
   if (threadIdx.x < kT) {
     const int i = threadIdx.x;
@@ -430,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, kMinDx) dx_kernel(SsdGradParams gp, 
     }
     row_terms(p, w, kXdot, bhs)[i] = total(tail + 4 * kT, i);
   }
-  if (threadIdx.x == 0) w.dg[bhs] = w.decay[bhs] * block_total(tail + 6 * kT);
+  if (kDot && threadIdx.x == 0) w.dg[bhs] = w.decay[bhs] * block_total(tail + 6 * kT);
 }
 
 }  // namespace hax::ops::ssd_cuda

@@ -57,34 +57,11 @@ __device__ __forceinline__ void local_state_wg(const SsdParams& p, const SsdScra
     const int j = Copy::row(k);
     raw[k] = j < u.len ? __ldg(reinterpret_cast<const uint4*>(V + j * H * P + c)) : make_uint4(0u, 0u, 0u, 0u);
   }
-  if (threadIdx.x < kT) {  // coef (the values of load_steps, read directly)
-    const int i = threadIdx.x;
-    float cf = 0.f;
-    if (i < u.len) {
-      const int32_t si = p.seq_idx ? p.seq_idx[b * L + u.t0 + i] : 0;
-      const float* cs = w.cs + ((b * H + h) * S + s) * kT;
-      if (kGrad) {
-        cf = si == u.s_prev ? expf(cs[i]) : 0.f;
-      } else {
-        const float dt = cuda::to_f32(((const bf16*)p.dt)[(b * L + u.t0 + i) * H + h]);
-        cf = si == u.s_last ? expf(cs[u.len - 1] - cs[i]) * dt : 0.f;
-      }
-    }
-    coef[i] = cf;
-  }
+  if (threadIdx.x < kT) coef[threadIdx.x] = local_coef<kGrad>(p, w, b, h, bh * S + s, u, threadIdx.x);
   __syncthreads();
   // 2. coef V, split, into the swizzled hi and lo tiles (one 16-byte store each per octet).
 #pragma unroll
-  for (int k = 0; k < Copy::kPer; ++k) {
-    const int j = Copy::row(k);
-    const float cf = coef[j];
-    const uint32_t r[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
-    uint32_t hi[4], lo[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) split_pair(bf16_lo(r[e]) * cf, bf16_hi(r[e]) * cf, hi[e], lo[e]);
-    *reinterpret_cast<uint4*>(cuda::Swizzle128::at(sV[0], j, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *reinterpret_cast<uint4*>(cuda::Swizzle128::at(sV[1], j, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-  }
+  for (int k = 0; k < Copy::kPer; ++k) store_split_octet(sV[0], sV[1], Copy::row(k), c, raw[k], coef[Copy::row(k)]);
   cuda::cp_async_wait<0>();
   cuda::fence_proxy_async_shared();
   __syncthreads();

@@ -41,14 +41,12 @@ namespace hax::ops::ssd_cuda {
 
 constexpr int kSegStages = 3;           // ring depth (sub-chunks) of the sweep's copies
 // Whether the sweep takes this call (bfloat16 with vectorized staging, ssd_vec, given): the
-// switches (wg_forms_on; HAX_SSD_SEGSCAN 1 on, 0 the two-kernel form, unset: SsdParams::sweep),
-// sizes its tiles cover whole, the scratch's pieces, a 16-byte aligned `out`, and in the
-// forward one sub-chunk per chunk (the two-kernel pass restarts each chunk from its rounded state).
+// switches (SsdParams::sweep, which the binding resolves from set_ssd_sweep and HAX_SSD_SEGSCAN;
+// wg_forms_on), sizes its tiles cover whole, the scratch's pieces, a 16-byte aligned `out`, and in
+// the forward one sub-chunk per chunk (the two-kernel pass restarts each chunk from its rounded state).
 inline bool segment_scan_applies(const SsdParams& p, const SsdScratch& w, const void* out, bool reverse) {
-  static const int env = cuda::env_switch("HAX_SSD_SEGSCAN", -1, 1,
-                                          "0 the SSD's local states and state pass as two kernels, 1 one sweep");
-  return (env < 0 ? p.sweep : env == 1) && wg_forms_on(p) && wg_sizes(p) && (reverse || p.subs_per_chunk() == 1) && w.coef &&
-         w.seg_agg && cuda::aligned16(out);
+  return p.sweep && wg_forms_on(p) && wg_sizes(p) && (reverse || p.subs_per_chunk() == 1) && w.coef && w.seg_agg &&
+         cuda::aligned16(out);
 }
 
 // Bytes of one ring stage: U's kSlabs tiles (1024-aligned, first), raw V (64 x 64, rows of 128
@@ -63,24 +61,12 @@ constexpr size_t kSegSmem = kSegStages * kSegStageBytes<kSlabs> + 2 * kWgTile * 
 // w_j dt_j (kGrad false) or re_i (kGrad true). One thread a step.
 template <bool kGrad>
 __global__ void segment_coef_kernel(SsdParams p, SsdScratch w) {
-  const int64_t S = p.nsubs(), H = p.nheads, L = p.seqlen;
+  const int64_t S = p.nsubs(), H = p.nheads;
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= p.batch * H * S * kT) return;
   const int i = (int)(idx & (kT - 1));
   const int64_t bhs = idx >> 6, bh = ssd_div(bhs, S), s = bhs - bh * S, b = ssd_div(bh, H), h = bh - b * H;
-  const Sub u = sub_of(p, b, s);
-  float cf = 0.f;
-  if (i < u.len) {
-    const int32_t si = p.seq_idx ? p.seq_idx[b * L + u.t0 + i] : 0;
-    const float* cs = w.cs + bhs * kT;
-    if (kGrad) {
-      cf = si == u.s_prev ? expf(cs[i]) : 0.f;
-    } else {
-      const float dt = cuda::to_f32(((const __nv_bfloat16*)p.dt)[(b * L + u.t0 + i) * H + h]);
-      cf = si == u.s_last ? expf(cs[u.len - 1] - cs[i]) * dt : 0.f;
-    }
-  }
-  w.coef[idx] = cf;
+  w.coef[idx] = local_coef<kGrad>(p, w, b, h, bhs, sub_of(p, b, s), i);
 }
 
 // The sweep of one segment (see the header). Grid: B H PT Kl blocks, heads fastest (block
@@ -192,14 +178,7 @@ __device__ __forceinline__ void segment_scan_wg(const SsdParams& p, const SsdScr
 #pragma unroll
       for (int m = 0; m < Copy::kPer; ++m) {
         const int j = Copy::row(m);
-        const float f = cf[j];
-        const uint4 raw = *reinterpret_cast<const uint4*>(sV(r) + j * kT + c);
-        const uint32_t rw[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t hi[4], lo[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) split_pair(bf16_lo(rw[e]) * f, bf16_hi(rw[e]) * f, hi[e], lo[e]);
-        *reinterpret_cast<uint4*>(cuda::Swizzle128::at(vhi, j, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        *reinterpret_cast<uint4*>(cuda::Swizzle128::at(vlo, j, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        store_split_octet(vhi, vlo, j, c, *reinterpret_cast<const uint4*>(sV(r) + j * kT + c), cf[j]);
       }
     }
     const int64_t s = sub_at(i);

@@ -58,8 +58,11 @@
 // With the wgmma forms (H200, ncu, L = 64K, 2026-11-29, BENCHMARKS.md pass 29): local_state
 // (either direction) 0.25 -> 0.20 ms; dB/dC 0.38 (mma.sync) -> 0.42 ms with u moved into it, and dx
 // without the Y product 0.83 -> 0.67 ms; `hax bench ssm` fwd+bwd at 64K 2.33-2.37 -> 2.10-2.19 ms.
+#include <atomic>
+
 #include "ops/cuda/side_stream.cuh"
 #include "ops/ssd/cuda/dbdc.cuh"
+#include "ops/ssd/cuda/dbdc_joint_wgmma.cuh"
 #include "ops/ssd/cuda/dbdc_wgmma.cuh"
 #include "ops/ssd/cuda/dcb.cuh"
 #include "ops/ssd/cuda/dx.cuh"
@@ -80,15 +83,40 @@ __global__ void __launch_bounds__(kThreads, kMinDbdcWg)
   else dbdc_mma<__nv_bfloat16, true>(gp, w, states);
 }
 
+// The joint dB/dC (dbdc_joint_wgmma.cuh) where this binary has wgmma; elsewhere it traps and is
+// never launched (joint_built).
+__global__ void __launch_bounds__(kThreads, 2) dbdc_joint_kernel(SsdGradParams gp, SsdScratch w, const __nv_bfloat16* states) {
+  if constexpr (cuda::kHaveWgmma) dbdc_joint_wg(gp, w, states);
+  else __trap();
+}
+
+// Whether the current device runs a binary of this file built with wgmma: only there does the
+// joint kernel have static shared memory (its row factors), which the runtime reports for the
+// binary it picked (no launch). Cached per device.
+bool joint_built() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  static std::atomic<int> cache[64];  // 0 unknown, 1 no, 2 yes
+  int v = dev >= 0 && dev < 64 ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, dbdc_joint_kernel) != cudaSuccess) (void)cudaGetLastError();
+    v = attr.sharedSizeBytes > 0 ? 2 : 1;
+    if (dev >= 0 && dev < 64) cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
+}
+
 // d(cs) of one (row, head, sub-chunk), its reverse cumsum da, ddt and the sub-chunk's dA.
 // One thread each, index ((b S + s) H + h), steps in the CPU's order. The thread's rows of v (all
 // of it, for vsum) and then, 16 steps at a time from the end, of intra, u, x.dXd and dt are loaded
 // into registers first, as independent loads (16 bytes each for the rows): loaded one step at a
 // time inside the loops, each load waited on before the next (the ddt stores may alias them for
 // the compiler), the kernel took 45 us at L = 64K, H = 16 on the H100.
-// u_split: u comes in two parts (kU + kU2: dbdc_wg with N = 128 and dx_kernel<.., false>).
+// u_split: u comes in two parts (kU + kU2: dbdc_wg with N = 128 and dx_kernel<.., false>);
+// g_split: so does g (dg + dg2: the joint dB/dC with N = 128).
 template <class T>
-__global__ void ddt_kernel(SsdGradParams gp, SsdScratch w, bool u_split) {
+__global__ void ddt_kernel(SsdGradParams gp, SsdScratch w, bool u_split, bool g_split) {
   const SsdParams& p = gp.fwd;
   const int64_t H = p.nheads, S = p.nsubs();
   const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -141,7 +169,7 @@ __global__ void ddt_kernel(SsdGradParams gp, SsdScratch w, bool u_split) {
       const int t = c * kC + i;
       if (t >= len) continue;
       float d = in[i] + uv[i] - v[t];
-      if (t == len - 1) d += vsum + w.dg[bhs];
+      if (t == len - 1) d += vsum + w.dg[bhs] + (g_split ? w.dg2[bhs] : 0.f);
       run += d;
       ddt[t * H] = from_f32<T>(run * A + xv[i]);
       dA += run * dv[i];
@@ -212,10 +240,13 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
     launch_state_pass<T, true>(p, w, (T*)w.dstates, false, (const T*)gp.dfinal, (T*)gp.dinit, stream);
   }
   // With dbdc's wgmma form, u comes from it (kU, and kU2 for the second 64 columns of N).
-  bool wg_dbdc = false;
+  // With the joint form (dbdc_joint_wgmma.cuh), g comes from it too and dx reads no S.
+  bool wg_dbdc = false, joint = false;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     wg_dbdc = vec && tiles_n > 0 && dbdc_wg_applies(gp, states, w.dstates);
-    if (wg_dbdc) dx_kernel<T, true, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+    joint = wg_dbdc && joint_dbdc_applies(gp, states, w.dstates) && joint_built();
+    if (joint) dx_kernel<T, true, false, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
+    else if (wg_dbdc) dx_kernel<T, true, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
   }
   if (!wg_dbdc) {
     if (vec) dx_kernel<T, true><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
@@ -224,13 +255,17 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   cuda::SideStream::join(stream);  // dbdc reads dcb
   if (tiles_n > 0) {
     const unsigned grid = (unsigned)(B * S * G * tiles_n * 2);
-    if (wg_dbdc) {
+    if (joint) {
+      cuda::allow_smem(dbdc_joint_kernel, kJointSmem, "ssd_backward_cuda (joint dB, dC)", sizeof(float) * (4 * kT + 8));
+      dbdc_joint_kernel<<<(unsigned)(B * S * G * tiles_n), kThreads, kJointSmem, stream>>>(gp, w,
+                                                                                          (const __nv_bfloat16*)states);
+    } else if (wg_dbdc) {
       cuda::allow_smem(dbdc_wg_kernel, kDbdcWgSmem, "ssd_backward_cuda (dB, dC)", sizeof(float) * 2 * kT);
       dbdc_wg_kernel<<<grid, kThreads, kDbdcWgSmem, stream>>>(gp, w, (const __nv_bfloat16*)states);
     } else if (vec) dbdc_kernel<T, true><<<grid, kThreads, 0, stream>>>(gp, w, states);
     else dbdc_kernel<T, false><<<grid, kThreads, 0, stream>>>(gp, w, states);
   }
-  ddt_kernel<T><<<thread_blocks, 128, 0, stream>>>(gp, w, wg_dbdc && tiles_n == 2);
+  ddt_kernel<T><<<thread_blocks, 128, 0, stream>>>(gp, w, wg_dbdc && tiles_n == 2, joint && tiles_n == 2);
   da_kernel<<<(unsigned)(B * H), kDaThreads, 0, stream>>>(gp, w);
   cuda::check_launch("ssd_backward_cuda");
 }

@@ -115,6 +115,33 @@ __device__ __forceinline__ void split_pair(float m0, float m1, uint32_t& hi, uin
   lo = pack_bf16(m0 - bf16_lo(hi), m1 - bf16_hi(hi));
 }
 
+// coef_i of step i of a sub-chunk in the local states (local_state_wgmma.cuh, segment_scan_wgmma.cuh;
+// notation in chunk.cuh): w_i dt_i = [s_i = s_last] exp(cs_last - cs_i) dt_i (kGrad false) or
+// re_i = [s_i = s_prev] exp(cs_i) (kGrad true); 0 past the sub-chunk. bhs = (b H + h) S + s.
+template <bool kGrad>
+__device__ __forceinline__ float local_coef(const SsdParams& p, const SsdScratch& w, int64_t b, int64_t h, int64_t bhs,
+                                            const Sub& u, int i) {
+  if (i >= u.len) return 0.f;
+  const int64_t L = p.seqlen;
+  const int32_t si = p.seq_idx ? p.seq_idx[b * L + u.t0 + i] : 0;
+  const float* cs = w.cs + bhs * kT;
+  if (kGrad) return si == u.s_prev ? expf(cs[i]) : 0.f;
+  const float dt = cuda::to_f32(((const __nv_bfloat16*)p.dt)[(b * L + u.t0 + i) * p.nheads + h]);
+  return si == u.s_last ? expf(cs[u.len - 1] - cs[i]) * dt : 0.f;
+}
+
+// cf V for one octet of V (row j, columns c..c+7, raw bfloat16), split (split_pair), into the
+// swizzled tiles hi and lo: one 16-byte store each.
+__device__ __forceinline__ void store_split_octet(__nv_bfloat16* hi, __nv_bfloat16* lo, int j, int c, const uint4& raw,
+                                                  float cf) {
+  const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t h[4], l[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) split_pair(bf16_lo(r[e]) * cf, bf16_hi(r[e]) * cf, h[e], l[e]);
+  *reinterpret_cast<uint4*>(cuda::Swizzle128::at(hi, j, c)) = make_uint4(h[0], h[1], h[2], h[3]);
+  *reinterpret_cast<uint4*>(cuda::Swizzle128::at(lo, j, c)) = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
 // Writes the 64 x 64 accumulator, rounded, into a swizzled tile (each pair of adjacent columns one
 // 32-bit store); the caller synchronizes before the tile is read. (Warp w of the warpgroup holds
 // rows 16w + lane / 4 and + 8.)
