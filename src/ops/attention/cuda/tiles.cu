@@ -23,6 +23,7 @@
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
+#include "ops/cuda/smem_align.cuh"
 #include "ops/cuda/wgmma.cuh"
 
 #include <stdexcept>
@@ -116,25 +117,31 @@ __device__ __forceinline__ void add_row(float* f32, bf16* b16, int how, const fl
                                         float mul, int ncols, int t, bool pairs, bool quads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (quads) {  // ncols % 4 == 0, rows 16-byte (float32) and 8-byte (bfloat16) aligned
+    // Without branches on `how`: a warp's 16 rows mix the three forms, and with a branch per form
+    // the warp ran each taken form in turn (H100 ncu, pass 36: 16% of the backward's instructions
+    // were add_row's, with its BSSY/BSYNC pairs). Each access is predicated instead, its address a
+    // constant offset from the thread's first column.
     const int c0 = 8 * (t & 1) + 2 * (t & ~1);  // the thread's 4 columns of each 16: c0 .. c0 + 3
+    float* f = f32 + c0;
+    bf16* w = b16 + c0;
 #pragma unroll
     for (int m = 0; m < DB / 16; ++m) {
-      const int c = 16 * m + c0;
-      if (c >= ncols) continue;
+      const int form = 16 * m + c0 < ncols ? how : -1;  // -1: columns past the row, nothing to add
       const float x0 = acc[2 * m][2 * r] * mul, x1 = acc[2 * m][2 * r + 1] * mul;
       const float x2 = acc[2 * m + 1][2 * r] * mul, x3 = acc[2 * m + 1][2 * r + 1] * mul;
-      if (how == kSumF32) {
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(f32 + c), "f"(x0), "f"(x1), "f"(x2),
-                     "f"(x3)
-                     : "memory");
-      } else {
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(x0, x1), hi = __floats2bfloat162_rn(x2, x3);
-        const uint32_t a = *reinterpret_cast<const uint32_t*>(&lo), b = *reinterpret_cast<const uint32_t*>(&hi);
-        if (how == kSumBf16)
-          asm volatile("red.global.add.noftz.v2.bf16x2 [%0], {%1, %2};" ::"l"(b16 + c), "r"(a), "r"(b) : "memory");
-        else
-          asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(b16 + c), "r"(a), "r"(b) : "memory");
-      }
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(x0, x1), hi = __floats2bfloat162_rn(x2, x3);
+      const uint32_t a = *reinterpret_cast<const uint32_t*>(&lo), b = *reinterpret_cast<const uint32_t*>(&hi);
+      static_assert(kSumF32 == 0 && kSumBf16 == 1 && kStoreBf16 == 2, "the predicates below");
+      asm volatile(
+          "{\n .reg .pred pf, ps, pw;\n"
+          " setp.eq.s32 pf, %8, 0;\n"
+          " setp.eq.s32 ps, %8, 1;\n"
+          " setp.eq.s32 pw, %8, 2;\n"
+          " @pf red.global.add.v4.f32 [%0], {%2, %3, %4, %5};\n"
+          " @ps red.global.add.noftz.v2.bf16x2 [%1], {%6, %7};\n"
+          " @pw st.global.v2.b32 [%1], {%6, %7};\n}"
+          ::"l"(f + 16 * m), "l"(w + 16 * m), "f"(x0), "f"(x1), "f"(x2), "f"(x3), "r"(a), "r"(b), "r"(form)
+          : "memory");
     }
     return;
   }
@@ -272,11 +279,10 @@ struct Cfg {
   static constexpr size_t fwd_smem = kSlack + sizeof(bf16) * (kQ + 2 * NB * kTK) * S;  // sQ, sK[NB], sV[NB]
   static constexpr size_t bwd_smem =  // sQ, sdO, sK[NB], sV[NB], then sdS (kTK x kQ, Swizzle128)
       kSlack + sizeof(bf16) * ((2 * kQ + 2 * NB * kTK) * S + kTK * kQ);
-  // The first tile in the dynamic shared memory.
+  // The first tile in the dynamic shared memory (cuda::align_up: still known as shared memory).
   static __device__ __forceinline__ bf16* tiles(uint4* smem) {
     if constexpr (!kSwizzle) return reinterpret_cast<bf16*>(smem);
-    const uintptr_t a = reinterpret_cast<uintptr_t>(smem);
-    return reinterpret_cast<bf16*>((a + 1023) & ~uintptr_t(1023));
+    return cuda::align_up<bf16>(smem, 0, 1024);
   }
 };
 
@@ -618,13 +624,13 @@ __global__ void __launch_bounds__(kThreads, DB <= 64 ? 3 : 1)
       warp_dot<DB, NT, Lay>(st, ts.K(buf), r0, sQ);
       warp_dot<DB, NT, Lay>(dpt, ts.V(buf), r0, sdO);
     }
+    const float brow[2] = {bias2[kr[0]], bias2[kr[1]]};  // (once a tile: the loop reloaded them for each entry)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2, c = nt * 8 + 2 * t + e % 2;
-        const float pr =
-            (sMask[c] >> kr[r]) & 1ull ? fast_exp2(st[nt][e] * z.scale2 + bias2[kr[r]] - sLse2[c]) : 0.f;
+        const float pr = (sMask[c] >> kr[r]) & 1ull ? fast_exp2(st[nt][e] * z.scale2 + brow[r] - sLse2[c]) : 0.f;
         st[nt][e] = pr;
         dpt[nt][e] = pr * (dpt[nt][e] - sDl[c]);  // dS^T
         db[r] += dpt[nt][e];

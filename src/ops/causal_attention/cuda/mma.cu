@@ -52,6 +52,7 @@
 #include "ops/causal_attention/cuda/tiles.cuh"
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
+#include "ops/cuda/smem_align.cuh"
 #include "ops/cuda/tile_ring.cuh"
 #include "ops/cuda/wgmma.cuh"
 
@@ -108,8 +109,7 @@ struct SmemHead {
   static constexpr size_t bytes = kMode == kTma ? 64 + 1024 : 0;  // reserve (barriers + alignment slack)
   static __device__ __forceinline__ bf16* tiles(uint4* smem) {
     if constexpr (kMode != kTma) return reinterpret_cast<bf16*>(smem);
-    const uintptr_t a = reinterpret_cast<uintptr_t>(smem) + 64;
-    return reinterpret_cast<bf16*>((a + 1023) & ~uintptr_t(1023));
+    return cuda::align_up<bf16>(smem, 64, 1024);  // (still known as shared memory)
   }
 };
 

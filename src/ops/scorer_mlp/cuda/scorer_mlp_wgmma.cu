@@ -28,6 +28,7 @@
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/mma_bf16.cuh"
+#include "ops/cuda/smem_align.cuh"
 #include "ops/cuda/wgmma.cuh"
 #include "ops/scorer_mlp/cuda/staging.cuh"
 #include "ops/scorer_mlp/params.h"
@@ -106,8 +107,7 @@ __global__ void __launch_bounds__(kGroupThreads * kMaxGroups, 1) scorer_mlp_wgmm
     constexpr int NT = HID / 8, KS2 = HID / 16, KS1 = IN / 16, N = IN / 2;
     using Chunks = TileChunks<IN>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* smem =
-        reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) & ~uintptr_t(kAlign - 1));
+    unsigned char* smem = cuda::align_up<unsigned char>(smem_raw, 0, kAlign);  // (still known as shared memory)
     const int groups = blockDim.x / kGroupThreads;
     const WgLayout Ly = wg_layout(N, HID, groups);
     bf16* sW1 = reinterpret_cast<bf16*>(smem);

@@ -21,6 +21,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include "ops/cuda/smem_align.cuh"
 #include "ops/ssd/cuda/grad_rows.cuh"
 #include "ops/ssd/cuda/wg_tiles.cuh"
 
@@ -49,7 +50,7 @@ __device__ __forceinline__ void dbdc_wg(const SsdGradParams& gp, const SsdScratc
   using bf16 = __nv_bfloat16;
   const SsdParams& p = gp.fwd;
   extern __shared__ unsigned char dbdc_dyn[];
-  bf16* const ring = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(dbdc_dyn) + 1023) & ~uintptr_t(1023));
+  bf16* const ring = cuda::align_up<bf16>(dbdc_dyn, 0, 1024);  // (still known as shared memory)
   bf16* const sU = ring + 2 * kDbdcStages * kWgTile;  // U_k[n0 + n], rows k (steps)
   bf16* const sC = sU + kWgTile;                       // dC blocks: C_i[n0 + n], rows i (for u)
   auto tileA = [&](int t) { return ring + (2 * (t % kDbdcStages)) * kWgTile; };  // v_i[k0 + k], rows i
