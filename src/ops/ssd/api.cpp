@@ -16,7 +16,7 @@ namespace {
 constexpr const char* kOp = "ssd";
 std::atomic<bool> g_wgmma{true};  // SsdParams::wgmma of every call (set_ssd_wgmma)
 std::atomic<bool> g_sweep{false};  // SsdParams::sweep of every call (set_ssd_sweep)
-std::atomic<bool> g_joint{false};  // SsdParams::joint_dbdc of every call (set_ssd_joint_dbdc)
+std::atomic<bool> g_joint{true};  // SsdParams::joint_dbdc of every call (set_ssd_joint_dbdc)
 
 // An environment switch read once: 1 on, 0 off, whatever the setter says; unset: -1.
 int env_choice(const char* name, const char* meaning) {

@@ -50,7 +50,7 @@ struct SsdParams {
                                 // false: mma.sync
   bool sweep = false;           // CUDA, where wgmma applies: the states by one sweep of local states and
                                 // pass (cuda/segment_scan_wgmma.cuh); false: two kernels
-  bool joint_dbdc = false;      // CUDA backward, where wgmma's dB/dC applies: one block for dB, dC and
+  bool joint_dbdc = true;       // CUDA backward, where wgmma's dB/dC applies: one block for dB, dC and
                                 // <dS, S> (cuda/dbdc_joint_wgmma.cuh), so that dx reads no S; false: dB
                                 // and dC blocks apart, <dS, S> in dx
 

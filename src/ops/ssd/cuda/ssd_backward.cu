@@ -20,6 +20,7 @@
 //   5.   state_pass_kernel<kReverse>: dS of every sub-chunk, dinit
 //        (4 and 5 are one sweep for bfloat16 at the wgmma sizes: segment_scan_wgmma.cuh)
 //   6.   dx_kernel    per (row, head, sub-chunk): dx, and the per-step v, u, x.dXd, and g <dS, S>
+//                    (g not where 8 runs its joint form: kDot false, dx then reads no states)
 //                    (u not where 8 runs its wgmma form: kY false); in dx.cuh
 //   7.   dcb_kernel   per (row, group, sub-chunk), heads in order: dM, intra_i, dCB summed over heads
 //                    (launched after 4 on a side stream, ops/cuda/side_stream.cuh: it needs neither
@@ -27,6 +28,8 @@
 //   8.   dbdc_kernel  per (row, group, sub-chunk, 64 columns of N, dB or dC): heads summed in the
 //                    product's k (no atomics), in dbdc.cuh; its wgmma form (dbdc_wgmma.cuh) also
 //                    gives u, in a part per 64 columns of N (grad_rows.cuh)
+//                    or the joint form (dbdc_joint_wgmma.cuh, the default where wgmma applies): one
+//                    block per (row, group, sub-chunk, 64 columns of N) for dB, dC, u and g
 //   9.   ddt_kernel   one thread per (row, head, sub-chunk): d(cs), its reverse cumsum, ddt, dA
 //  10.   da_kernel    block per (row, head): dA_part summed over sub-chunks (fixed order)
 // Every reduction has a fixed order: the backward is deterministic.

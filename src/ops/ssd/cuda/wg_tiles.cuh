@@ -5,7 +5,7 @@
 // 64 with N <= 128 (kWgSlabs slabs); other sizes run the mma.sync kernels. Landed: the forward's
 // chunk_scan (chunk_scan_wgmma.cuh), the local states of both directions (local_state_wgmma.cuh),
 // the sweep of local states and pass (segment_scan_wgmma.cuh) and the backward's dB/dC
-// (dbdc_wgmma.cuh). Tried and not kept: the backward's dx on the same
+// (dbdc_wgmma.cuh, dbdc_joint_wgmma.cuh). Tried and not kept: the backward's dx on the same
 // pieces (experiments/ssd-dx-wgmma.patch: correct, slower).
 #pragma once
 #include <cuda_bf16.h>
