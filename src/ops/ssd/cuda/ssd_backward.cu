@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kThreads, 2) dbdc_joint_kernel(SsdGradParams g
 
 // Whether the current device runs a binary of this file built with wgmma: only there does the
 // joint kernel have static shared memory (its row factors), which the runtime reports for the
-// binary it picked (no launch). Cached per device.
+// binary it picked (no launch). The answer is cached per device; a failed query is not (it says
+// no this time and clears only its own error: backward calls this before its first launch).
 bool joint_built() {
   int dev = 0;
   cudaGetDevice(&dev);
@@ -103,7 +104,10 @@ bool joint_built() {
   int v = dev >= 0 && dev < 64 ? cache[dev].load(std::memory_order_relaxed) : 0;
   if (v == 0) {
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, dbdc_joint_kernel) != cudaSuccess) (void)cudaGetLastError();
+    if (cudaFuncGetAttributes(&attr, dbdc_joint_kernel) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
     v = attr.sharedSizeBytes > 0 ? 2 : 1;
     if (dev >= 0 && dev < 64) cache[dev].store(v, std::memory_order_relaxed);
   }
@@ -211,6 +215,8 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   const unsigned thread_blocks = (unsigned)cuda::ceil_div(B * S * H, 128);
 
   const bool vec = ssd_vec(p, gp.dy);
+  // (before any launch of this call: the probe may clear an error of its own)
+  const bool joint_ok = std::is_same_v<T, __nv_bfloat16> && p.joint_dbdc && vec && joint_built();
   if (!p.prepped) {  // (else the forward's cs, decay and cb are in p.prep)
     prep_kernel<T><<<thread_blocks, 128, 0, stream>>>(p, w);
     if (vec) cb_kernel<T, true><<<(unsigned)(B * S * G), kThreads, 0, stream>>>(p, w);
@@ -247,7 +253,7 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   bool wg_dbdc = false, joint = false;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     wg_dbdc = vec && tiles_n > 0 && dbdc_wg_applies(gp, states, w.dstates);
-    joint = wg_dbdc && joint_dbdc_applies(gp, states, w.dstates) && joint_built();
+    joint = joint_ok && wg_dbdc && joint_dbdc_applies(gp, states, w.dstates);
     if (joint) dx_kernel<T, true, false, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
     else if (wg_dbdc) dx_kernel<T, true, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
   }

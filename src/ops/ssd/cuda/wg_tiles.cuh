@@ -27,9 +27,10 @@ inline bool wg_forms_on(const SsdParams& p) {
   static const int env = cuda::env_switch("HAX_SSD_WGMMA", 1, 1, "0 the SSD's mma.sync kernels, 1 wgmma where they apply");
   return p.wgmma && env == 1;
 }
-// Sizes whose tiles the forms cover whole.
+// Sizes whose tiles the forms cover whole (P > 0: with no columns, dB/dC's wgmma forms would
+// leave u and g unwritten; the mma.sync forms write them as zeros).
 inline bool wg_sizes(const SsdParams& p) {
-  return p.headdim % kT == 0 && p.dstate % kT == 0 && p.dstate <= kWgSlabs * kT;
+  return p.headdim > 0 && p.headdim % kT == 0 && p.dstate % kT == 0 && p.dstate <= kWgSlabs * kT;
 }
 
 // The 64 x 64 tile of rows src + r ld (r < rows; zeros from row `rows` on), 64 entries each, into
