@@ -283,6 +283,29 @@ TEST(SsdCuda, WgmmaFormsAgree) {
         }
 }
 
+namespace {
+
+// A process switch's two forms (on, off) on the same bfloat16 inputs and cotangents of c: y, the
+// final state and every gradient within a few bfloat16 roundings; with against_f64, the form
+// switched on is also checked against the float64 recurrence.
+void expect_switch_forms_agree(bool (*get)(), void (*set)(bool), const OpCase& c, bool against_f64) {
+  const Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
+  const Tensors w = random_cotangents(c.op(clone_leaves(in)));
+  std::pair<Tensors, Tensors> on_run;
+  {
+    ScopedSwitch on(get, set, true);
+    on_run = run_on_device(c.op, in, w);
+    if (against_f64) {
+      SCOPED_TRACE("the form switched on against float64");
+      expect_cuda_bf16_close(c);
+    }
+  }
+  ScopedSwitch off(get, set, false);
+  expect_runs_close(on_run, run_on_device(c.op, in, w), 2e-2);
+}
+
+}  // namespace
+
 TEST(SsdCuda, SweepAgreesWithTwoKernelForm) {
   // The states by one sweep (segment_scan_wgmma.cuh: local states and pass together, rows cut
   // into segments whose runs are folded) against the local-state kernel plus the state pass, on
@@ -311,20 +334,7 @@ TEST(SsdCuda, SweepAgreesWithTwoKernelForm) {
       }
       SCOPED_TRACE(::testing::Message() << "B=" << z.B << " L=" << z.L << " H=" << z.H << " P=" << z.P << " N=" << z.N
                                         << " chunk=" << z.chunk << " form=" << form);
-      const Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
-      const Tensors w = random_cotangents(c.op(clone_leaves(in)));
-      std::pair<Tensors, Tensors> swept;
-      {
-        ScopedSwitch on(hax::ops::ssd_sweep, hax::ops::set_ssd_sweep, true);
-        swept = run_on_device(c.op, in, w);
-      }
-      if (form > 0 && z.L == 1025 && z.chunk == 64) {  // the sweep against the float64 recurrence too
-        SCOPED_TRACE("sweep against float64");
-        ScopedSwitch on(hax::ops::ssd_sweep, hax::ops::set_ssd_sweep, true);
-        expect_cuda_bf16_close(c);
-      }
-      ScopedSwitch two(hax::ops::ssd_sweep, hax::ops::set_ssd_sweep, false);
-      expect_runs_close(swept, run_on_device(c.op, in, w), 2e-2);
+      expect_switch_forms_agree(hax::ops::ssd_sweep, hax::ops::set_ssd_sweep, c, form > 0 && z.L == 1025 && z.chunk == 64);
     }
 }
 
@@ -348,19 +358,7 @@ TEST(SsdCuda, JointDbdcAgreesWithSplitForm) {
       const OpCase c = without_dA(ssd_case({z.B, z.L, z.H, z.P, z.G, z.N, z.chunk, true, packed, true}));
       SCOPED_TRACE(::testing::Message() << "B=" << z.B << " L=" << z.L << " H=" << z.H << " P=" << z.P << " G=" << z.G
                                         << " N=" << z.N << " chunk=" << z.chunk << " form=" << form);
-      const Tensors in = to_device(c.make_inputs(at::kFloat), at::Device(at::kCUDA, 0), at::kBFloat16);
-      const Tensors w = random_cotangents(c.op(clone_leaves(in)));
-      std::pair<Tensors, Tensors> joint;
-      {
-        ScopedSwitch on(hax::ops::ssd_joint_dbdc, hax::ops::set_ssd_joint_dbdc, true);
-        joint = run_on_device(c.op, in, w);
-        if (z.L == 1025) {
-          SCOPED_TRACE("joint against float64");
-          expect_cuda_bf16_close(c);
-        }
-      }
-      ScopedSwitch apart(hax::ops::ssd_joint_dbdc, hax::ops::set_ssd_joint_dbdc, false);
-      expect_runs_close(joint, run_on_device(c.op, in, w), 2e-2);
+      expect_switch_forms_agree(hax::ops::ssd_joint_dbdc, hax::ops::set_ssd_joint_dbdc, c, z.L == 1025);
     }
 }
 

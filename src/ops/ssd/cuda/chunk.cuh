@@ -62,6 +62,28 @@ __device__ __forceinline__ Sub sub_of(const SsdParams& p, int64_t b, int64_t s) 
   return u;
 }
 
+// The factor of step i in the local states and in dB/dC: re_i = [s_i = s_prev] exp(cs_i) (re
+// true: the gradient's local states, dC) or w_i dt_i = [s_i = s_last] exp(cs_last - cs_i) dt_i
+// (the forward's local states, dB), from the step's sequence number si, cs_i, cs_last and dt_i.
+__device__ __forceinline__ float step_factor(bool re, const Sub& u, int32_t si, float cs_i, float cs_last, float dt) {
+  if (re) return si == u.s_prev ? expf(cs_i) : 0.f;
+  return si == u.s_last ? expf(cs_last - cs_i) * dt : 0.f;
+}
+
+// step_factor of step i < kT of a bfloat16 sub-chunk, read from global memory (the local states'
+// kernels: local_state_kn, local_state_wgmma.cuh, segment_scan_wgmma.cuh; dt only where it is
+// used); 0 past the sub-chunk. bhs = (b H + h) S + s.
+template <bool kGrad>
+__device__ __forceinline__ float local_coef(const SsdParams& p, const SsdScratch& w, int64_t b, int64_t h, int64_t bhs,
+                                            const Sub& u, int i) {
+  if (i >= u.len) return 0.f;
+  const int64_t L = p.seqlen;
+  const int32_t si = p.seq_idx ? p.seq_idx[b * L + u.t0 + i] : 0;
+  const float* cs = w.cs + bhs * kT;
+  const float dt = kGrad ? 0.f : to_f32(((const __nv_bfloat16*)p.dt)[(b * L + u.t0 + i) * p.nheads + h]);
+  return step_factor(kGrad, u, si, cs[i], kGrad ? 0.f : cs[u.len - 1], dt);
+}
+
 // Per-step values of one (row, head, sub-chunk) in shared memory: cs, sequence numbers, dt.
 struct StepVals {
   float cs[kT];
@@ -193,12 +215,7 @@ __device__ __forceinline__ void local_state_staged(const SsdParams& p, const Ssd
   __syncthreads();
   if (threadIdx.x < kT) {
     const int i = threadIdx.x;
-    float c = 0.f;
-    if (i < u.len) {
-      if (kGrad) c = sv.seq[i] == u.s_prev ? expf(sv.cs[i]) : 0.f;
-      else c = sv.seq[i] == u.s_last ? expf(sv.cs[u.len - 1] - sv.cs[i]) * sv.dt[i] : 0.f;
-    }
-    coef[i] = c;
+    coef[i] = i < u.len ? step_factor(kGrad, u, sv.seq[i], sv.cs[i], sv.cs[u.len - 1], sv.dt[i]) : 0.f;
   }
   __syncthreads();
   const int64_t ldu = G * N, ldv = H * P;  // between steps
@@ -277,18 +294,7 @@ __device__ __forceinline__ void local_state_kn(const SsdParams& p, const SsdScra
     raw[e] = make_uint4(0u, 0u, 0u, 0u);
     if (j < u.len && p0 + q < P) raw[e] = __ldg(reinterpret_cast<const uint4*>(V + j * ldv + q));
   }
-  if (threadIdx.x < kT) {  // the values of load_steps, read directly
-    const int i = threadIdx.x;
-    float c = 0.f;
-    if (i < u.len) {
-      const int32_t si = p.seq_idx ? p.seq_idx[b * p.seqlen + u.t0 + i] : 0;
-      const float* cs = w.cs + ((b * H + h) * S + s) * kT;
-      const float dt = to_f32(((const bf16*)p.dt)[(b * p.seqlen + u.t0 + i) * H + h]);
-      if (kGrad) c = si == u.s_prev ? expf(cs[i]) : 0.f;
-      else c = si == u.s_last ? expf(cs[u.len - 1] - cs[i]) * dt : 0.f;
-    }
-    coef[i] = c;
-  }
+  if (threadIdx.x < kT) coef[threadIdx.x] = local_coef<kGrad>(p, w, b, h, bh * S + s, u, threadIdx.x);
   __syncthreads();
 #pragma unroll
   for (int e = 0; e < 4; ++e) {

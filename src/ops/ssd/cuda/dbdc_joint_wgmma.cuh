@@ -4,8 +4,9 @@
 // dS tile (for dB) and the S tile (for dC) of the same head and 64 columns of P, so it also sums
 // their entrywise product, g = <dS, S> over its columns of N, which dx_kernel<.., kDot = false>
 // then leaves out: dx no longer reads S (a quarter of its bytes; 268 MB at L = 64K, H 16, P 64,
-// N 128). Same sizes as dbdc_wg (joint_dbdc_applies). H100, L = 64K, ncu (pass 38): dx 538 -> 479
-// us, dB/dC 385 -> 417 us; `hax bench ssm` fwd+bwd 2.14-2.18 -> 2.11-2.14 ms. On by default.
+// N 128). Same sizes and conditions as dbdc_wg (ssd_backward.cu chooses it). H100, L = 64K, ncu
+// (pass 38): dx 538 -> 479 us, dB/dC 385 -> 417 us; `hax bench ssm` fwd+bwd 2.14-2.18 -> 2.11-2.14
+// ms. On by default.
 //   dB(j, n) = Σ_heads w_j dt_j Σ_p x_j[p] dS[n][p] + Σ_i dCB_ij C_i[n]
 //   dC(i, n) = Σ_heads re_i Σ_p dy_i[p] S[n][p]     + Σ_j dCB_ij B_j[n]
 //   g part   = decay Σ_{n in the block's 64, p} dS[n][p] S[n][p]   (w.dg for n0 = 0, w.dg2 for n0 = 64)
@@ -28,12 +29,6 @@ namespace hax::ops::ssd_cuda {
 constexpr int kJointStages = 3;  // ring depth (stages of four tiles)
 // Dynamic shared memory: the ring, C's tile, 1024 bytes to align them (105 KB: 2 blocks an SM).
 constexpr size_t kJointSmem = (4 * kJointStages + 1) * kWgTile * sizeof(__nv_bfloat16) + 1024;
-
-// Whether the joint form takes this call: the switch (SsdParams::joint_dbdc, which the binding
-// resolves from set_ssd_joint_dbdc and HAX_SSD_DBDC_JOINT) and dbdc_wg's conditions.
-inline bool joint_dbdc_applies(const SsdGradParams& gp, const void* states, const void* dstates) {
-  return gp.fwd.joint_dbdc && dbdc_wg_applies(gp, states, dstates);
-}
 
 __device__ __forceinline__ void dbdc_joint_wg(const SsdGradParams& gp, const SsdScratch& w, const __nv_bfloat16* states) {
   using bf16 = __nv_bfloat16;
@@ -84,7 +79,7 @@ __device__ __forceinline__ void dbdc_joint_wg(const SsdGradParams& gp, const Ssd
       dg_out[bhs] = w.decay[bhs] * tot;
     }
   };
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2;
   const int ir[2] = {16 * warp + gq, 16 * warp + gq + 8};  // this thread's accumulator rows
   float accB[8][4], accC[8][4], partB[8][4], partC[8][4];
 #pragma unroll
@@ -129,28 +124,14 @@ __device__ __forceinline__ void dbdc_joint_wg(const SsdGradParams& gp, const Ssd
     if (t % slabs == slabs - 1) {
       const float b0 = coef[head & 1][0][ir[0]], b1 = coef[head & 1][0][ir[1]];
       const float c0 = coef[head & 1][1][ir[0]], c1 = coef[head & 1][1][ir[1]];
-      float us[2] = {0.f, 0.f};  // the head's u_i over these 64 columns of N
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         accB[j][0] += b0 * partB[j][0], accB[j][1] += b0 * partB[j][1];
         accB[j][2] += b1 * partB[j][2], accB[j][3] += b1 * partB[j][3];
         accC[j][0] += c0 * partC[j][0], accC[j][1] += c0 * partC[j][1];
         accC[j][2] += c1 * partC[j][2], accC[j][3] += c1 * partC[j][3];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint32_t cw = *reinterpret_cast<const uint32_t*>(cuda::Swizzle128::at(sC, ir[r], 8 * j) + 2 * tq);
-          us[r] += bf16_lo(cw) * partC[j][2 * r] + bf16_hi(cw) * partC[j][2 * r + 1];
-        }
       }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        us[r] += __shfl_xor_sync(0xffffffffu, us[r], 1);
-        us[r] += __shfl_xor_sync(0xffffffffu, us[r], 2);
-      }
-      if (tq == 0) {
-        float* row = row_terms(p, w, n0 == 0 ? kU : kU2, (b * H + g * hpg + head) * S + s);
-        row[ir[0]] = c0 * us[0], row[ir[1]] = c1 * us[1];
-      }
+      put_head_u(p, w, n0, (b * H + g * hpg + head) * S + s, partC, sC, ir, c0, c1);  // the head's u
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       if (lane == 0) red[head & 1][warp] = dot;
@@ -168,27 +149,9 @@ __device__ __forceinline__ void dbdc_joint_wg(const SsdGradParams& gp, const Ssd
   // A(i, k) = dcb(i, k) for dC (then U = B), dcb(k, i) for dB (U = C).
   const float* dcb = w.dcb + chunk * kT * kT;
   uint32_t ahi[4][4], alo[4][4];
-  auto fragments = [&](bool transposed) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = ir[r], k = 16 * kk + 2 * tq + 8 * half;
-          float m0, m1;
-          if (!transposed) {
-            const float2 v = *reinterpret_cast<const float2*>(dcb + i * kT + k);
-            m0 = v.x, m1 = v.y;
-          } else {
-            m0 = dcb[k * kT + i], m1 = dcb[(k + 1) * kT + i];
-          }
-          split_pair(m0, m1, ahi[kk][2 * half + r], alo[kk][2 * half + r]);
-        }
-  };
-  fragments(true);
+  dcb_fragments(dcb, true, ir, ahi, alo);
   wg_split_product(accB, ahi, alo, sC);  // dB += dCB^T C (C's tile was waited for with stage 0)
-  fragments(false);
+  dcb_fragments(dcb, false, ir, ahi, alo);
   cuda::cp_async_wait<0>();
   cuda::fence_proxy_async_shared();
   __syncthreads();  // B's tile landed for every thread

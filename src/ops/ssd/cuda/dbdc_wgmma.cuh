@@ -46,6 +46,55 @@ inline bool dbdc_wg_applies(const SsdGradParams& gp, const void* states, const v
          cuda::aligned16(states) && cuda::aligned16(dstates);
 }
 
+// The head's u_i over a block's 64 columns of N (grad_rows.cuh kU for n0 = 0, kU2 for n0 = 64),
+// from part = dy S^T of the head (this thread's rows ir of the accumulator) and C's swizzled tile:
+// u_i = re_i Σ_n C_i[n] part(i, n), with c0, c1 the factors re of rows ir. bhs = (b H + h) S + s.
+__device__ __forceinline__ void put_head_u(const SsdParams& p, const SsdScratch& w, int64_t n0, int64_t bhs,
+                                           const float (&part)[8][4], const __nv_bfloat16* sC, const int (&ir)[2],
+                                           float c0, float c1) {
+  const int tq = threadIdx.x & 3;
+  float us[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t cw = *reinterpret_cast<const uint32_t*>(cuda::Swizzle128::at(sC, ir[r], 8 * j) + 2 * tq);
+      us[r] += bf16_lo(cw) * part[j][2 * r] + bf16_hi(cw) * part[j][2 * r + 1];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    us[r] += __shfl_xor_sync(0xffffffffu, us[r], 1);
+    us[r] += __shfl_xor_sync(0xffffffffu, us[r], 2);
+  }
+  if (tq == 0) {
+    float* row = row_terms(p, w, n0 == 0 ? kU : kU2, bhs);
+    row[ir[0]] = c0 * us[0], row[ir[1]] = c1 * us[1];
+  }
+}
+
+// dCB's A fragments of this thread's rows ir, split hi + lo: A(i, k) = dcb(i, k) (dC), or
+// dcb(k, i) when transposed (dB); zero outside the sub-chunk (dcb_kernel writes the whole tile).
+__device__ __forceinline__ void dcb_fragments(const float* dcb, bool transposed, const int (&ir)[2], uint32_t (&ahi)[4][4],
+                                              uint32_t (&alo)[4][4]) {
+  const int tq = threadIdx.x & 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = ir[r], k = 16 * kk + 2 * tq + 8 * half;
+        float m0, m1;
+        if (!transposed) {
+          const float2 v = *reinterpret_cast<const float2*>(dcb + i * kT + k);
+          m0 = v.x, m1 = v.y;
+        } else {
+          m0 = dcb[k * kT + i], m1 = dcb[(k + 1) * kT + i];
+        }
+        split_pair(m0, m1, ahi[kk][2 * half + r], alo[kk][2 * half + r]);
+      }
+}
+
 __device__ __forceinline__ void dbdc_wg(const SsdGradParams& gp, const SsdScratch& w, const __nv_bfloat16* states) {
   using bf16 = __nv_bfloat16;
   const SsdParams& p = gp.fwd;
@@ -86,7 +135,7 @@ __device__ __forceinline__ void dbdc_wg(const SsdGradParams& gp, const SsdScratc
   RowFactorIn next;
   if (threadIdx.x < kT) next = coef_load(g * hpg);
   // 2. The stages.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2;
   const int ir[2] = {16 * warp + gq, 16 * warp + gq + 8};  // this thread's accumulator rows
   float acc[8][4], part[8][4];
 #pragma unroll
@@ -119,47 +168,13 @@ __device__ __forceinline__ void dbdc_wg(const SsdGradParams& gp, const SsdScratc
         acc[j][0] += c0 * part[j][0], acc[j][1] += c0 * part[j][1];
         acc[j][2] += c1 * part[j][2], acc[j][3] += c1 * part[j][3];
       }
-      if (is_dc) {  // the head's u_i over these 64 columns of N
-        float us[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const uint32_t cw = *reinterpret_cast<const uint32_t*>(cuda::Swizzle128::at(sC, ir[r], 8 * j) + 2 * tq);
-            us[r] += bf16_lo(cw) * part[j][2 * r] + bf16_hi(cw) * part[j][2 * r + 1];
-          }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          us[r] += __shfl_xor_sync(0xffffffffu, us[r], 1);
-          us[r] += __shfl_xor_sync(0xffffffffu, us[r], 2);
-        }
-        if (tq == 0) {
-          float* row = row_terms(p, w, n0 == 0 ? kU : kU2, (b * H + g * hpg + head) * S + s);
-          row[ir[0]] = c0 * us[0], row[ir[1]] = c1 * us[1];
-        }
-      }
+      if (is_dc) put_head_u(p, w, n0, (b * H + g * hpg + head) * S + s, part, sC, ir, c0, c1);
     }
   }
   // 3. dCB's fragments (A(i, k) = dcb(i, k) for dC, dcb(k, i) for dB; zero outside the sub-chunk,
   //    dcb_kernel writes the whole tile), hi + lo, then acc += dCB U.
-  const float* dcb = w.dcb + chunk * kT * kT;
   uint32_t ahi[4][4], alo[4][4];
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = ir[r], k = 16 * kk + 2 * tq + 8 * half;
-        float m0, m1;
-        if (is_dc) {
-          const float2 v = *reinterpret_cast<const float2*>(dcb + i * kT + k);
-          m0 = v.x, m1 = v.y;
-        } else {
-          m0 = dcb[k * kT + i], m1 = dcb[(k + 1) * kT + i];
-        }
-        split_pair(m0, m1, ahi[kk][2 * half + r], alo[kk][2 * half + r]);
-      }
+  dcb_fragments(w.dcb + chunk * kT * kT, !is_dc, ir, ahi, alo);
   cuda::cp_async_wait<0>();  // (U's group completed with stage 0's; the ring's trailing groups are empty)
   __syncthreads();
   wg_split_product(acc, ahi, alo, sU);

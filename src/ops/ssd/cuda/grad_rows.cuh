@@ -40,9 +40,7 @@ struct RowFactorIn {
     return in;
   }
   __device__ __forceinline__ float value(const Sub& u, bool is_dc) const {
-    if ((int)threadIdx.x >= u.len) return 0.f;
-    if (is_dc) return seq == u.s_prev ? expf(cs) : 0.f;
-    return seq == u.s_last ? expf(cs_last - cs) * dt : 0.f;
+    return (int)threadIdx.x < u.len ? step_factor(is_dc, u, seq, cs, cs_last, dt) : 0.f;
   }
 };
 

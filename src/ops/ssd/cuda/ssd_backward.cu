@@ -253,7 +253,7 @@ void backward(const SsdGradParams& gp, cudaStream_t stream) {
   bool wg_dbdc = false, joint = false;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     wg_dbdc = vec && tiles_n > 0 && dbdc_wg_applies(gp, states, w.dstates);
-    joint = joint_ok && wg_dbdc && joint_dbdc_applies(gp, states, w.dstates);
+    joint = joint_ok && wg_dbdc;  // (joint_ok: the switch and the binary; wg_dbdc: dbdc_wg's conditions)
     if (joint) dx_kernel<T, true, false, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
     else if (wg_dbdc) dx_kernel<T, true, false><<<(unsigned)(B * S * H), kThreads, 0, stream>>>(gp, w, states);
   }

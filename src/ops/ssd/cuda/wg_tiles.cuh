@@ -116,21 +116,6 @@ __device__ __forceinline__ void split_pair(float m0, float m1, uint32_t& hi, uin
   lo = pack_bf16(m0 - bf16_lo(hi), m1 - bf16_hi(hi));
 }
 
-// coef_i of step i of a sub-chunk in the local states (local_state_wgmma.cuh, segment_scan_wgmma.cuh;
-// notation in chunk.cuh): w_i dt_i = [s_i = s_last] exp(cs_last - cs_i) dt_i (kGrad false) or
-// re_i = [s_i = s_prev] exp(cs_i) (kGrad true); 0 past the sub-chunk. bhs = (b H + h) S + s.
-template <bool kGrad>
-__device__ __forceinline__ float local_coef(const SsdParams& p, const SsdScratch& w, int64_t b, int64_t h, int64_t bhs,
-                                            const Sub& u, int i) {
-  if (i >= u.len) return 0.f;
-  const int64_t L = p.seqlen;
-  const int32_t si = p.seq_idx ? p.seq_idx[b * L + u.t0 + i] : 0;
-  const float* cs = w.cs + bhs * kT;
-  if (kGrad) return si == u.s_prev ? expf(cs[i]) : 0.f;
-  const float dt = cuda::to_f32(((const __nv_bfloat16*)p.dt)[(b * L + u.t0 + i) * p.nheads + h]);
-  return si == u.s_last ? expf(cs[u.len - 1] - cs[i]) * dt : 0.f;
-}
-
 // cf V for one octet of V (row j, columns c..c+7, raw bfloat16), split (split_pair), into the
 // swizzled tiles hi and lo: one 16-byte store each.
 __device__ __forceinline__ void store_split_octet(__nv_bfloat16* hi, __nv_bfloat16* lo, int j, int c, const uint4& raw,
